@@ -1,0 +1,1 @@
+"""kvroute's proxy: the request path (``router.app``) and its background loops."""

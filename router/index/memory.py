@@ -1,0 +1,97 @@
+"""The in-memory prefix index: the embedded default, one router process, no dependency.
+
+Two structures: per backend a bounded BlockSet (its believed cache, with an eviction
+policy), and a reverse map block -> backends holding it, which makes a lookup walk the
+chain once, touching only the owners of each block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Sequence
+
+from policies.eviction import BlockSet, LRUBlocks
+from router.index.base import PrefixIndex
+
+
+class MemoryIndex(PrefixIndex):
+    def __init__(self, max_blocks: int, block_set: Callable[[int], BlockSet] = LRUBlocks) -> None:
+        self.max_blocks = max_blocks
+        self._new_block_set = block_set
+        self._backends: dict[str, BlockSet] = {}
+        self._owners: dict[int, set[str]] = {}
+        self._size = 0
+        #: Blocks dropped by per-backend capacity or the global budget, for metrics.
+        self.evictions = 0
+
+    def add_backend(self, name: str, capacity_blocks: int) -> None:
+        if name not in self._backends:
+            self._backends[name] = self._new_block_set(capacity_blocks)
+
+    def remove_backend(self, name: str) -> None:
+        blocks = self._backends.pop(name, None)
+        if blocks is None:
+            return
+        while (block := blocks.evict_one()) is not None:
+            self._forget(name, block)
+
+    async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        depth = self.match_now(chain)
+        return {name: depth.get(name, 0) for name in backends}
+
+    def match_now(self, chain: Sequence[int]) -> dict[str, int]:
+        """Synchronous match over every backend (the offline simulator calls this directly)."""
+        depth: dict[str, int] = {}
+        alive: set[str] | None = None
+        for i, block in enumerate(chain, start=1):
+            owners = self._owners.get(block)
+            if not owners:
+                break
+            alive = set(owners) if alive is None else alive & owners
+            if not alive:
+                break
+            for name in alive:
+                depth[name] = i
+        return depth
+
+    def record(self, backend: str, chain: Sequence[int]) -> None:
+        blocks = self._backends.get(backend)
+        if blocks is None or not chain:
+            return
+        before = len(blocks)
+        evicted = blocks.touch_chain(chain)
+        for block in chain:
+            owners = self._owners.get(block)
+            if owners is None:
+                self._owners[block] = {backend}
+            else:
+                owners.add(backend)
+        self._size += len(blocks) - before + len(evicted)
+        for block in evicted:
+            self._forget(backend, block)
+        self.evictions += len(evicted)
+        while self._size > self.max_blocks:
+            largest = max(self._backends, key=lambda n: len(self._backends[n]))
+            block = self._backends[largest].evict_one()
+            if block is None:
+                break
+            self._forget(largest, block)
+            self.evictions += 1
+
+    def _forget(self, backend: str, block: int) -> None:
+        """Drop one (backend, block) entry, already gone from its BlockSet, from the reverse map."""
+        owners = self._owners.get(block)
+        if owners is not None:
+            owners.discard(backend)
+            if not owners:
+                del self._owners[block]
+        self._size -= 1
+
+    def blocks_of(self, backend: str) -> int:
+        blocks = self._backends.get(backend)
+        return len(blocks) if blocks is not None else 0
+
+    def size(self) -> int:
+        return self._size
+
+    async def close(self) -> None:
+        """Nothing to release: the index lives and dies with the process."""

@@ -1,0 +1,160 @@
+"""Parse once: a request body becomes an immutable RoutableRequest, or a clear 4xx.
+
+The original bytes are forwarded unchanged; only what routing needs is extracted: the
+model, tenant, session key, and the prompt as the engine will see it. For chat that is
+every message with its role, in order (with tools and non-text parts, which chat templates
+also render into the prompt), never the contents merely joined: two conversations that
+differ only in who said what must not look alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import orjson
+import xxhash
+
+from router.config import TenancyConfig
+from router.errors import OpenAIError
+
+CHAT = "chat"
+COMPLETIONS = "completions"
+
+_FIELD_SEP = b"\x1f"
+_RECORD_SEP = b"\x1e"
+
+
+@dataclass(frozen=True, slots=True)
+class RoutableRequest:
+    endpoint: str
+    model: str
+    tenant: str
+    session_key: str | None
+    #: The prompt as the engine will see it, flattened to bytes for hashing.
+    prompt: bytes
+    stream: bool
+    max_tokens: int | None
+    #: The body exactly as received; this is what is forwarded.
+    body: bytes
+
+
+def _bad(message: str, param: str | None, code: str = "invalid_value") -> OpenAIError:
+    return OpenAIError(400, message, param=param, code=code)
+
+
+def _canonical(value: Any) -> bytes:
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+
+
+def _content_bytes(content: Any, param: str) -> bytes:
+    if content is None:
+        return b""
+    if isinstance(content, str):
+        return content.encode()
+    if isinstance(content, list):
+        parts = []
+        for j, part in enumerate(content):
+            if not isinstance(part, Mapping):
+                raise _bad(f"'{param}[{j}]' must be an object", f"{param}[{j}]", "invalid_type")
+            text = part.get("text")
+            # Images, audio and other parts are part of what the engine caches: key them by content.
+            parts.append(text.encode() if isinstance(text, str) else _canonical(part))
+        return _FIELD_SEP.join(parts)
+    raise _bad(f"'{param}' must be a string, a list of content parts, or null", param, "invalid_type")
+
+
+def _chat_prompt(body: Mapping[str, Any]) -> bytes:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise _bad("'messages' is required and must be a non-empty list", "messages", "missing_required")
+    out: list[bytes] = []
+    tools = body.get("tools")
+    if tools is not None:
+        out.append(b"tools" + _FIELD_SEP + _canonical(tools))
+    for i, message in enumerate(messages):
+        param = f"messages[{i}]"
+        if not isinstance(message, Mapping):
+            raise _bad(f"'{param}' must be an object", param, "invalid_type")
+        role = message.get("role")
+        if not isinstance(role, str) or not role:
+            raise _bad(f"'{param}.role' is required and must be a string", f"{param}.role", "invalid_type")
+        record = [role.encode(), _content_bytes(message.get("content"), f"{param}.content")]
+        if message.get("tool_calls") is not None:
+            record.append(_canonical(message["tool_calls"]))
+        out.append(_FIELD_SEP.join(record))
+    return _RECORD_SEP.join(out)
+
+
+def _completion_prompt(body: Mapping[str, Any]) -> bytes:
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return prompt.encode()
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return _RECORD_SEP.join(p.encode() for p in prompt)
+        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+            return _canonical(prompt)
+        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
+            return _RECORD_SEP.join(_canonical(p) for p in prompt)
+    raise _bad(
+        "'prompt' is required and must be a string, a list of strings, or a list of token ids",
+        "prompt",
+        "missing_required" if prompt is None else "invalid_type",
+    )
+
+
+def tenant_of(headers: Mapping[str, str], tenancy: TenancyConfig) -> str:
+    """The tenant: a trusted header, else a hash of the API key (never the key), else 'default'."""
+    tenant = headers.get(tenancy.header)
+    if tenant:
+        return tenant
+    auth = headers.get("Authorization", "")
+    if tenancy.from_api_key and auth.startswith("Bearer ") and len(auth) > 7:
+        return "key-" + xxhash.xxh3_64_hexdigest(auth[7:].encode())
+    return "default"
+
+
+def parse_request(
+    endpoint: str,
+    body: bytes,
+    headers: Mapping[str, str],
+    tenancy: TenancyConfig,
+    session_header: str,
+) -> RoutableRequest:
+    content_type = headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
+    if content_type != "application/json" and not content_type.endswith("+json"):
+        raise OpenAIError(
+            415, f"Content-Type must be application/json, got {content_type!r}", code="unsupported_media_type"
+        )
+    try:
+        parsed = orjson.loads(body)
+    except orjson.JSONDecodeError as exc:
+        raise _bad(f"Request body is not valid JSON: {exc}", None, "invalid_json") from None
+    if not isinstance(parsed, dict):
+        raise _bad("Request body must be a JSON object", None, "invalid_type")
+
+    model = parsed.get("model")
+    if not isinstance(model, str) or not model:
+        raise _bad("'model' is required and must be a non-empty string", "model", "missing_required")
+    stream = parsed.get("stream", False)
+    if not isinstance(stream, bool):
+        raise _bad("'stream' must be a boolean", "stream", "invalid_type")
+    max_tokens = parsed.get("max_completion_tokens", parsed.get("max_tokens"))
+    valid_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
+    if max_tokens is not None and (not valid_int or max_tokens < 0):
+        raise _bad("'max_tokens' must be a non-negative integer", "max_tokens", "invalid_type")
+
+    prompt = _chat_prompt(parsed) if endpoint == CHAT else _completion_prompt(parsed)
+    session = headers.get(session_header) or parsed.get("user")
+    return RoutableRequest(
+        endpoint=endpoint,
+        model=model,
+        tenant=tenant_of(headers, tenancy),
+        session_key=session if isinstance(session, str) and session else None,
+        prompt=prompt,
+        stream=stream,
+        max_tokens=max_tokens,
+        body=body,
+    )
