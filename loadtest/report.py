@@ -1,0 +1,59 @@
+"""Summaries and plain-text tables of benchmark results."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from loadtest.client import Result
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """The ``q``-quantile (0..1) by nearest rank; NaN for no values."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
+
+
+@dataclass(frozen=True)
+class Summary:
+    ok: int
+    failed: int
+    #: Engine-reported cached prompt tokens / prompt tokens, over successful requests.
+    hit_ratio: float
+    ttft_p50: float
+    ttft_p99: float
+    #: Fraction of successful requests per backend, by backend name.
+    share: dict[str, float]
+
+
+def summarize(results: Sequence[Result]) -> Summary:
+    good = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in good)
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    counts = Counter(r.backend or "?" for r in good)
+    return Summary(
+        ok=len(good),
+        failed=len(results) - len(good),
+        hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
+        ttft_p50=percentile(ttfts, 0.50),
+        ttft_p99=percentile(ttfts, 0.99),
+        share={name: n / len(good) for name, n in sorted(counts.items())},
+    )
+
+
+def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    """A left-aligned first column and right-aligned others, as a terminal table."""
+    cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]
+    widths = [max(len(row[i]) for row in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "  ".join(
+            c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths, strict=True))
+        )
+
+    rule = "  ".join("-" * w for w in widths)
+    return "\n".join([line(cells[0]), rule, *(line(r) for r in cells[1:])])

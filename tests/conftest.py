@@ -1,0 +1,85 @@
+"""Shared fixtures: simulated engines and routers on loopback, and small helpers."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import aiohttp
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.sim.fleet import SimFleet
+from loadtest.sim.timing import EngineTiming
+from router.config import config_from_dict
+from router.server import RouterServer
+
+#: Quick engines: tests need the shape of the timing model, not its scale.
+FAST = EngineTiming(prefill_base_s=0.001, prefill_per_token_s=0.000005, decode_step_s=0.002)
+
+MakeRouter = Callable[..., Awaitable[RouterServer]]
+
+
+def backends_of(fleet: SimFleet, prefix: str = "e") -> list[dict[str, Any]]:
+    return [{"name": f"{prefix}{i}", "url": url} for i, url in enumerate(fleet.urls)]
+
+
+@pytest.fixture
+async def fleet() -> AsyncIterator[SimFleet]:
+    async with SimFleet(3, timing=FAST) as f:
+        yield f
+
+
+@pytest.fixture
+async def make_router() -> AsyncIterator[MakeRouter]:
+    """Start routers from config sections; all are stopped after the test."""
+    servers: list[RouterServer] = []
+
+    async def make(backends: list[dict[str, Any]], **sections: Any) -> RouterServer:
+        routing = {"seed": 1, **sections.pop("routing", {})}
+        config = config_from_dict(
+            {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends, "routing": routing, **sections}
+        )
+        server = RouterServer(config)
+        await server.start()
+        servers.append(server)
+        return server
+
+    yield make
+    for server in servers:
+        await server.stop()
+
+
+@pytest.fixture
+async def http() -> AsyncIterator[aiohttp.ClientSession]:
+    async with aiohttp.ClientSession() as session:
+        yield session
+
+
+async def scrape(session: aiohttp.ClientSession, url: str) -> dict[tuple[str, tuple], float]:
+    """``{(sample name, sorted labels): value}`` from a Prometheus endpoint."""
+    async with session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> float:
+    """Sum of the samples named ``name`` whose labels include ``labels``."""
+    return sum(
+        v for (n, ls), v in samples.items() if n == name and all((k, val) in ls for k, val in labels.items())
+    )
+
+
+async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
+    """Poll ``check`` until it is true, failing after ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while not await check():
+        if time.monotonic() > deadline:
+            raise AssertionError("condition not met in time")
+        await asyncio.sleep(0.02)
