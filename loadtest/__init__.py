@@ -1,0 +1,1 @@
+"""Load testing and simulation for kvroute: the simulated engine fleet, trace replay, benchmarks."""

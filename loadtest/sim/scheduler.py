@@ -1,0 +1,306 @@
+"""Scheduling of one simulated engine: FIFO admission, one prefill lane, batched decode steps.
+
+A request goes through these states::
+
+    WAITING --admit--> QUEUED --lane free--> PREFILLING --> DECODING --> FINISHED
+        any state before FINISHED --release--> CANCELLED
+
+* **Admission** is FIFO. The head of the waiting queue is admitted when fewer than ``max_running``
+  requests are running (admitted and not finished) *and* its KV reservation fits in the cache
+  (``kv_blocks``). A request reserves the blocks of its prompt plus ``max_tokens`` outputs, as a
+  vLLM scheduler must find blocks for a request before running it; a head that does not fit
+  blocks the queue (no overtaking), like vLLM's FCFS policy.
+* **Prefill** runs one request at a time, in admission order. At its start the prefix cache is
+  looked up; it takes ``prefill_base_s + prefill_per_token_s * uncached_tokens``; at its end the
+  prompt's blocks enter the cache and the first token is emitted.
+* **Decode** is batched: one loop per engine sleeps one step (longer when the batch is larger),
+  then every decoding request emits one token. CPU cost is one timer per engine per step, not
+  one per request per token.
+
+Time is real (asyncio) time, so queueing delays and cache savings show up in measured latency.
+Released requests (the client went away) leave every queue at once; one interrupted mid-prefill
+frees the lane at once too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from loadtest.sim.cache import PrefixCache
+from loadtest.sim.timing import EngineTiming
+
+
+class State(enum.Enum):
+    """Where a request is in its life; see the module docstring."""
+
+    WAITING = "waiting"
+    QUEUED = "queued"
+    PREFILLING = "prefilling"
+    DECODING = "decoding"
+    FINISHED = "finished"
+    CANCELLED = "cancelled"
+
+
+@dataclass(eq=False)
+class SimRequest:
+    """One request inside the scheduler. Its HTTP handler waits on ``changed``.
+
+    ``changed`` is set when the request finishes, and, for a stream, after every token, so a
+    non-streamed request's handler wakes once.
+    """
+
+    id: str
+    model: str
+    prompt_tokens: int
+    #: Chained block keys of the prompt (see :mod:`loadtest.sim.cache`).
+    hashes: list[int]
+    max_tokens: int
+    stream: bool
+    #: KV blocks reserved while running: prompt plus outputs, rounded up to whole blocks.
+    kv_blocks: int
+    arrival: float
+    state: State = State.WAITING
+    cached_tokens: int = 0
+    generated: int = 0
+    prefill_start: float = 0.0
+    #: Prefill time charged by the cost model (deterministic, unlike measured latencies).
+    prefill_s: float = 0.0
+    first_token_at: float = 0.0
+    changed: asyncio.Event = field(default_factory=asyncio.Event)
+
+
+@dataclass(frozen=True)
+class RequestRecord:
+    """What a finished request cost; kept for the last ``history`` requests for tests and reports."""
+
+    id: str
+    model: str
+    prompt_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    #: Arrival to start of prefill (admission wait plus prefill-lane wait), measured.
+    queue_s: float
+    #: Prefill time charged by the cost model.
+    prefill_s: float
+    #: Arrival to first token, measured.
+    ttft_s: float
+    #: Arrival to last token, measured.
+    e2e_s: float
+
+
+def _settle(timer: asyncio.Future[None]) -> None:
+    if not timer.done():
+        timer.set_result(None)
+
+
+class Scheduler:
+    """The queues and the two loops of one engine; :meth:`run` drives it until cancelled.
+
+    ``on_first_token`` is called with each request's time to first token (for the TTFT histogram).
+    """
+
+    def __init__(
+        self,
+        timing: EngineTiming,
+        cache: PrefixCache,
+        on_first_token: Callable[[float], None] | None = None,
+        history: int = 1024,
+    ) -> None:
+        self.timing = timing
+        self.cache = cache
+        self._on_first_token = on_first_token
+        self._waiting: deque[SimRequest] = deque()
+        # Ordered sets (dicts), so iteration and thus output are deterministic.
+        self._running: dict[SimRequest, None] = {}
+        self._decoding: dict[SimRequest, None] = {}
+        self._prefill_queue: deque[SimRequest] = deque()
+        self._lane_wakeup = asyncio.Event()
+        self._decode_wakeup = asyncio.Event()
+        self._prefill_timer: asyncio.Future[None] | None = None
+        #: KV blocks reserved by running requests.
+        self.reserved_blocks = 0
+        #: The most recent finished requests, oldest first.
+        self.records: deque[RequestRecord] = deque(maxlen=history)
+        self.received = 0
+        self.completed = 0
+        self.cancelled = 0
+        #: Prompt and cache-hit tokens of requests whose prefill completed.
+        self.prompt_tokens = 0
+        self.cached_tokens = 0
+        self.generation_tokens = 0
+
+    @property
+    def running(self) -> int:
+        """Admitted requests not yet finished: queued for or in prefill, or decoding."""
+        return len(self._running)
+
+    @property
+    def waiting(self) -> int:
+        """Requests not yet admitted."""
+        return len(self._waiting)
+
+    def submit(
+        self,
+        *,
+        request_id: str,
+        model: str,
+        prompt_tokens: int,
+        hashes: list[int],
+        max_tokens: int,
+        stream: bool,
+    ) -> SimRequest:
+        """Enqueue a request; the caller must :meth:`release` it when its handler ends, on every path."""
+        block_tokens = self.timing.block_tokens
+        kv_blocks = -(-(prompt_tokens + max_tokens) // block_tokens)
+        if kv_blocks > self.timing.kv_blocks:
+            raise ValueError(f"request needs {kv_blocks} KV blocks, the engine has {self.timing.kv_blocks}")
+        request = SimRequest(
+            id=request_id,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            hashes=hashes,
+            max_tokens=max_tokens,
+            stream=stream,
+            kv_blocks=kv_blocks,
+            arrival=time.monotonic(),
+        )
+        self.received += 1
+        self._waiting.append(request)
+        self._admit()
+        return request
+
+    def release(self, request: SimRequest) -> None:
+        """Drop a request that has not finished (its client went away); no-op once finished."""
+        state = request.state
+        if state in (State.FINISHED, State.CANCELLED):
+            return
+        if state is State.WAITING:
+            self._waiting.remove(request)
+        else:
+            if state is State.QUEUED:
+                self._prefill_queue.remove(request)
+            elif state is State.PREFILLING and self._prefill_timer is not None:
+                _settle(self._prefill_timer)
+            self._decoding.pop(request, None)
+            del self._running[request]
+            self.reserved_blocks -= request.kv_blocks
+        request.state = State.CANCELLED
+        self.cancelled += 1
+        self._admit()
+
+    async def run(self) -> None:
+        """Run the prefill lane and the decode loop until cancelled."""
+        await asyncio.gather(self._prefill_lane(), self._decode_loop())
+
+    def _admit(self) -> None:
+        while self._waiting and len(self._running) < self.timing.max_running:
+            head = self._waiting[0]
+            if self.reserved_blocks + head.kv_blocks > self.timing.kv_blocks:
+                return
+            self._waiting.popleft()
+            head.state = State.QUEUED
+            self._running[head] = None
+            self.reserved_blocks += head.kv_blocks
+            self._prefill_queue.append(head)
+            self._lane_wakeup.set()
+
+    async def _prefill_lane(self) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            if not self._prefill_queue:
+                self._lane_wakeup.clear()
+                await self._lane_wakeup.wait()
+                continue
+            request = self._prefill_queue.popleft()
+            request.state = State.PREFILLING
+            request.cached_tokens = self.cache.lookup(request.hashes, request.prompt_tokens) * (
+                self.timing.block_tokens
+            )
+            request.prefill_start = time.monotonic()
+            request.prefill_s = self.timing.prefill_seconds(request.prompt_tokens - request.cached_tokens)
+            # A future rather than asyncio.sleep, so that release() can end the prefill early.
+            timer = self._prefill_timer = loop.create_future()
+            handle = loop.call_later(request.prefill_s, _settle, timer)
+            try:
+                await timer
+            finally:
+                handle.cancel()
+                self._prefill_timer = None
+            if request.state is not State.PREFILLING:  # released meanwhile
+                continue
+            self.cache.insert(request.hashes)
+            self.prompt_tokens += request.prompt_tokens
+            self.cached_tokens += request.cached_tokens
+            request.first_token_at = time.monotonic()
+            if self._on_first_token is not None:
+                self._on_first_token(request.first_token_at - request.arrival)
+            request.state = State.DECODING
+            self._emit(request)
+            if request.state is State.DECODING:
+                self._decoding[request] = None
+                self._decode_wakeup.set()
+
+    async def _decode_loop(self) -> None:
+        while True:
+            if not self._decoding:
+                self._decode_wakeup.clear()
+                await self._decode_wakeup.wait()
+                continue
+            await asyncio.sleep(self.timing.decode_step_seconds(len(self._decoding)))
+            for request in list(self._decoding):
+                self._emit(request)
+
+    def _emit(self, request: SimRequest) -> None:
+        """Produce one output token; finish the request after its last."""
+        request.generated += 1
+        self.generation_tokens += 1
+        if request.generated >= request.max_tokens:
+            self._finish(request)
+        elif request.stream:
+            request.changed.set()
+
+    def _finish(self, request: SimRequest) -> None:
+        now = time.monotonic()
+        request.state = State.FINISHED
+        self._decoding.pop(request, None)
+        del self._running[request]
+        self.reserved_blocks -= request.kv_blocks
+        self.completed += 1
+        self.records.append(
+            RequestRecord(
+                id=request.id,
+                model=request.model,
+                prompt_tokens=request.prompt_tokens,
+                cached_tokens=request.cached_tokens,
+                output_tokens=request.generated,
+                queue_s=request.prefill_start - request.arrival,
+                prefill_s=request.prefill_s,
+                ttft_s=request.first_token_at - request.arrival,
+                e2e_s=now - request.arrival,
+            )
+        )
+        request.changed.set()
+        self._admit()
+
+    def stats(self) -> dict[str, int]:
+        """Counters and current sizes, for ``GET /sim/stats`` and tests."""
+        return {
+            "received": self.received,
+            "completed": self.completed,
+            "cancelled": self.cancelled,
+            "running": self.running,
+            "waiting": self.waiting,
+            "prompt_tokens": self.prompt_tokens,
+            "cached_tokens": self.cached_tokens,
+            "generation_tokens": self.generation_tokens,
+            "kv_blocks_reserved": self.reserved_blocks,
+            "cache_blocks": len(self.cache),
+            "cache_evictions": self.cache.evictions,
+            "prefix_cache_queries_tokens": self.cache.queries_tokens,
+            "prefix_cache_hits_tokens": self.cache.hits_tokens,
+        }
