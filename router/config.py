@@ -19,7 +19,7 @@ from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
 
 ENGINES = ("vllm", "sglang")
-STORES = ("memory",)
+STORES = ("memory", "redis")
 
 
 class ConfigError(ValueError):
@@ -71,6 +71,76 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class RedisConfig:
+    """``index.redis``: where the shared index and load view live, and how hard to try.
+
+    One of three topologies: a standalone server (``url``), Sentinel (``sentinels`` +
+    ``service_name``; ``url`` then only gives scheme, database and credentials), or Cluster
+    (``cluster: true``; ``url`` is any seed node).
+    """
+
+    url: str = "redis://127.0.0.1:6379/0"
+    username: str | None = None
+    #: Password, or where to read it: an environment variable or a file (at most one of the three).
+    password: str | None = None
+    password_env: str | None = None
+    password_file: str | None = None
+    #: Sentinel: ``host:port`` of each sentinel, and the monitored master's name.
+    sentinels: list[str] = field(default_factory=list)
+    service_name: str = "mymaster"
+    cluster: bool = False
+    #: TLS (``rediss://`` URLs): CA bundle, client certificate and key, and whether to verify the server.
+    tls_ca_file: str | None = None
+    tls_cert_file: str | None = None
+    tls_key_file: str | None = None
+    tls_verify: bool = True
+    #: Prefix of every key, so several deployments can share one Redis.
+    namespace: str = "kvroute"
+    #: A backend's believed blocks expire this long after its last recorded request.
+    ttl_s: float = 3600.0
+    #: Deadline of one lookup on the request path; past it the request routes on the local view.
+    timeout_ms: float = 5.0
+    #: Deadline of the off-path calls (batched writes, load sync, probes).
+    background_timeout_ms: float = 1000.0
+    #: Consecutive lookup timeouts that mark Redis as down (a connection error does at once).
+    trip_after: int = 3
+    #: While Redis is down, how often to probe it (the router returns to shared state by itself).
+    retry_interval_s: float = 0.5
+    #: Pending index updates held for the writer; beyond it updates are dropped and counted.
+    write_queue_size: int = 10000
+    #: Updates sent to Redis in one script call.
+    write_batch_size: int = 64
+    #: Publish this router's in-flight counts and read everyone's (the shared load view).
+    share_load: bool = True
+    load_interval_s: float = 0.1
+    #: A router that stopped publishing stops counting after this long (it died).
+    load_ttl_s: float = 3.0
+
+    def validate(self) -> None:
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("redis", "rediss") or not (parts.hostname or self.sentinels):
+            raise ValueError(f"url: expected a redis:// or rediss:// URL, got {self.url!r}")
+        if sum(x is not None for x in (self.password, self.password_env, self.password_file)) > 1:
+            raise ValueError("password: give at most one of password, password_env, password_file")
+        for sentinel in self.sentinels:
+            host, _, port = sentinel.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"sentinels: expected host:port entries, got {sentinel!r}")
+        if self.sentinels and self.cluster:
+            raise ValueError("cluster: Sentinel and Cluster are exclusive; configure one")
+        if not self.namespace or any(c in self.namespace for c in "{}"):
+            raise ValueError("namespace: expected a non-empty string without braces")
+        for name in ("ttl_s", "timeout_ms", "background_timeout_ms", "retry_interval_s", "load_interval_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name}: expected a positive number")
+        if self.load_ttl_s <= self.load_interval_s:
+            raise ValueError("load_ttl_s: expected more than load_interval_s")
+        for name in ("trip_after", "write_queue_size", "write_batch_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name}: expected a positive integer")
+
+
+@dataclass(frozen=True)
 class IndexConfig:
     store: str = "memory"
     #: Block size of the prefix chain in characters (UTF-8 bytes) of the prompt as the engine sees it.
@@ -81,10 +151,18 @@ class IndexConfig:
     backend_capacity_blocks: int = 65536
     #: Global bound on (backend, block) entries over the whole index: the memory budget.
     max_blocks: int = 2_000_000
+    #: Connection and behaviour of the shared index when ``store: redis`` (see RedisConfig).
+    redis: dict = field(default_factory=dict)
+
+    @property
+    def redis_config(self) -> RedisConfig:
+        """The ``redis`` mapping as a validated RedisConfig (validated once already at load)."""
+        return parse_params(RedisConfig, self.redis, where="redis")
 
     def validate(self) -> None:
         if self.store not in STORES:
             raise ValueError(f"store: expected one of {list(STORES)}, got {self.store!r}")
+        parse_params(RedisConfig, self.redis, where="redis")
         for name in ("block_size", "backend_capacity_blocks", "max_blocks"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive integer")
@@ -168,7 +246,9 @@ _LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
 def _section(raw: Mapping[str, Any], key: str, cls: type) -> Any:
-    value = raw.get(key) or {}
+    value = raw.get(key)
+    if value is None:
+        value = {}
     if not isinstance(value, Mapping):
         raise ConfigError(f"{key}: expected a mapping, got {type(value).__name__}")
     return parse_params(cls, value, where=key)

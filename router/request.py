@@ -24,6 +24,8 @@ COMPLETIONS = "completions"
 
 _FIELD_SEP = b"\x1f"
 _RECORD_SEP = b"\x1e"
+#: Marks a prompt given as token ids, so it never equals the text of the same digits.
+_TOKENS_TAG = b"\x1ftoken-ids\x1f"
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,8 +46,21 @@ def _bad(message: str, param: str | None, code: str = "invalid_value") -> OpenAI
     return OpenAIError(400, message, param=param, code=code)
 
 
-def _canonical(value: Any) -> bytes:
-    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+def _canonical(value: Any, param: str) -> bytes:
+    """Stable bytes for structured prompt parts (tools, tool calls, images).
+
+    orjson parses 1024 levels of nesting but serializes only 255: deeper values are refused
+    here as the client's error rather than escaping as a 500.
+    """
+    try:
+        return orjson.dumps(value, option=orjson.OPT_SORT_KEYS)
+    except orjson.JSONEncodeError:
+        raise _bad(f"'{param}' is nested too deeply", param, "invalid_value") from None
+
+
+def _field(data: bytes) -> bytes:
+    """A length-prefixed field: no content can imitate a boundary between fields or messages."""
+    return b"%d" % len(data) + _FIELD_SEP + data
 
 
 def _content_bytes(content: Any, param: str) -> bytes:
@@ -59,9 +74,13 @@ def _content_bytes(content: Any, param: str) -> bytes:
             if not isinstance(part, Mapping):
                 raise _bad(f"'{param}[{j}]' must be an object", f"{param}[{j}]", "invalid_type")
             text = part.get("text")
-            # Images, audio and other parts are part of what the engine caches: key them by content.
-            parts.append(text.encode() if isinstance(text, str) else _canonical(part))
-        return _FIELD_SEP.join(parts)
+            # Text parts concatenate, as engines render them; images, audio and other parts are
+            # part of what the engine caches too, so they are keyed by their content.
+            if isinstance(text, str):
+                parts.append(text.encode())
+            else:
+                parts.append(_FIELD_SEP + _canonical(part, f"{param}[{j}]") + _FIELD_SEP)
+        return b"".join(parts)
     raise _bad(f"'{param}' must be a string, a list of content parts, or null", param, "invalid_type")
 
 
@@ -72,7 +91,7 @@ def _chat_prompt(body: Mapping[str, Any]) -> bytes:
     out: list[bytes] = []
     tools = body.get("tools")
     if tools is not None:
-        out.append(b"tools" + _FIELD_SEP + _canonical(tools))
+        out.append(b"tools" + _FIELD_SEP + _field(_canonical(tools, "tools")))
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
         if not isinstance(message, Mapping):
@@ -80,11 +99,16 @@ def _chat_prompt(body: Mapping[str, Any]) -> bytes:
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise _bad(f"'{param}.role' is required and must be a string", f"{param}.role", "invalid_type")
-        record = [role.encode(), _content_bytes(message.get("content"), f"{param}.content")]
+        content = _content_bytes(message.get("content"), f"{param}.content")
+        record = role.encode() + _FIELD_SEP + _field(content)
         if message.get("tool_calls") is not None:
-            record.append(_canonical(message["tool_calls"]))
-        out.append(_FIELD_SEP.join(record))
+            record += _field(_canonical(message["tool_calls"], f"{param}.tool_calls"))
+        out.append(record)
     return _RECORD_SEP.join(out)
+
+
+def _token_ids(values: list[Any]) -> bool:
+    return all(isinstance(t, int) and not isinstance(t, bool) for t in values)
 
 
 def _completion_prompt(body: Mapping[str, Any]) -> bytes:
@@ -94,10 +118,10 @@ def _completion_prompt(body: Mapping[str, Any]) -> bytes:
     if isinstance(prompt, list) and prompt:
         if all(isinstance(p, str) for p in prompt):
             return _RECORD_SEP.join(p.encode() for p in prompt)
-        if all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-            return _canonical(prompt)
-        if all(isinstance(p, list) and all(isinstance(t, int) for t in p) for p in prompt):
-            return _RECORD_SEP.join(_canonical(p) for p in prompt)
+        if _token_ids(prompt):
+            return _TOKENS_TAG + _canonical(prompt, "prompt")
+        if all(isinstance(p, list) and _token_ids(p) for p in prompt):
+            return _TOKENS_TAG + _RECORD_SEP.join(_canonical(p, "prompt") for p in prompt)
     raise _bad(
         "'prompt' is required and must be a string, a list of strings, or a list of token ids",
         "prompt",
@@ -141,10 +165,11 @@ def parse_request(
     stream = parsed.get("stream", False)
     if not isinstance(stream, bool):
         raise _bad("'stream' must be a boolean", "stream", "invalid_type")
-    max_tokens = parsed.get("max_completion_tokens", parsed.get("max_tokens"))
+    max_tokens_key = "max_tokens" if parsed.get("max_completion_tokens") is None else "max_completion_tokens"
+    max_tokens = parsed.get(max_tokens_key)
     valid_int = isinstance(max_tokens, int) and not isinstance(max_tokens, bool)
     if max_tokens is not None and (not valid_int or max_tokens < 0):
-        raise _bad("'max_tokens' must be a non-negative integer", "max_tokens", "invalid_type")
+        raise _bad(f"'{max_tokens_key}' must be a non-negative integer", max_tokens_key, "invalid_type")
 
     prompt = _chat_prompt(parsed) if endpoint == CHAT else _completion_prompt(parsed)
     session = headers.get(session_header) or parsed.get("user")

@@ -39,7 +39,10 @@ async def test_chat_non_streaming_through_openai_client(fleet, make_router):
 async def test_chat_streaming_with_usage(fleet, make_router):
     router = await make_router(backends_of(fleet))
     stream = await client(router).chat.completions.create(
-        model=MODEL, messages=chat("stream please"), max_tokens=7, stream=True,
+        model=MODEL,
+        messages=chat("stream please"),
+        max_tokens=7,
+        stream=True,
         stream_options={"include_usage": True},
     )
     pieces, usage = [], None
@@ -55,7 +58,9 @@ async def test_completions_streaming_and_not(fleet, make_router):
     api = client(router)
     completion = await api.completions.create(model=MODEL, prompt="Once upon a time " * 30, max_tokens=4)
     assert completion.choices[0].text == " tok" * 4
-    stream = await api.completions.create(model=MODEL, prompt="Once upon a time " * 30, max_tokens=4, stream=True)
+    stream = await api.completions.create(
+        model=MODEL, prompt="Once upon a time " * 30, max_tokens=4, stream=True
+    )
     texts = [c.choices[0].text async for c in stream if c.choices]
     assert "".join(texts) == " tok" * 4
 
@@ -118,9 +123,10 @@ async def test_one_hot_prefix_does_not_pile_onto_one_replica(fleet, make_router,
 
 
 async def test_requests_route_by_model(make_router, http):
-    async with SimFleet(2, timing=FAST, models=("model-a",)) as fleet_a, SimFleet(
-        1, timing=FAST, models=("model-b",)
-    ) as fleet_b:
+    async with (
+        SimFleet(2, timing=FAST, models=("model-a",)) as fleet_a,
+        SimFleet(1, timing=FAST, models=("model-b",)) as fleet_b,
+    ):
         # No models in config: each backend's are read from its /v1/models.
         router = await make_router(backends_of(fleet_a, "a") + backends_of(fleet_b, "b"))
         api = client(router)
@@ -148,16 +154,36 @@ async def test_requests_route_by_model(make_router, http):
         (b'{"model": "sim-model"}', 400, "messages", "missing_required"),
         (b'{"messages": [{"role": "user", "content": "x"}]}', 400, "model", "missing_required"),
         (b'{"model": "sim-model", "messages": "hello"}', 400, "messages", "missing_required"),
-        (b'{"model": "sim-model", "messages": [{"role": "user", "content": 5}]}', 400, "messages[0].content",
-         "invalid_type"),
-        (b'{"model": "sim-model", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}', 400,
-         "stream", "invalid_type"),
-        (b'{"model": "sim-model", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}', 400,
-         "max_tokens", "invalid_type"),
-        (b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}', 404, "model",
-         "model_not_found"),
-        (b'{"model": "sim-model", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}', 413, None,
-         "body_too_large"),
+        (
+            b'{"model": "sim-model", "messages": [{"role": "user", "content": 5}]}',
+            400,
+            "messages[0].content",
+            "invalid_type",
+        ),
+        (
+            b'{"model": "sim-model", "stream": "yes", "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "stream",
+            "invalid_type",
+        ),
+        (
+            b'{"model": "sim-model", "max_tokens": -1, "messages": [{"role": "user", "content": "x"}]}',
+            400,
+            "max_tokens",
+            "invalid_type",
+        ),
+        (
+            b'{"model": "other", "messages": [{"role": "user", "content": "x"}]}',
+            404,
+            "model",
+            "model_not_found",
+        ),
+        (
+            b'{"model": "sim-model", "messages": [{"role": "user", "content": "' + b"x" * 5000 + b'"}]}',
+            413,
+            None,
+            "body_too_large",
+        ),
     ],
 )
 async def test_bad_requests_get_openai_error_shape(fleet, make_router, http, body, status, param, code):
@@ -191,8 +217,11 @@ async def test_body_over_limit_without_content_length(fleet, make_router, http):
 
 async def test_wrong_content_type_and_unknown_route(fleet, make_router, http):
     router = await make_router(backends_of(fleet))
-    async with http.post(f"{router.url}/v1/chat/completions", data=b"model=x",
-                         headers={"Content-Type": "application/x-www-form-urlencoded"}) as resp:
+    async with http.post(
+        f"{router.url}/v1/chat/completions",
+        data=b"model=x",
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+    ) as resp:
         assert resp.status == 415
         assert (await resp.json())["error"]["type"] == "invalid_request_error"
     async with http.get(f"{router.url}/v1/nothing-here") as resp:
@@ -209,7 +238,9 @@ async def test_no_healthy_backend_is_503_with_retry_after(make_router, http):
         assert resp.status == 503
     async with http.get(f"{router.url}/health") as resp:
         assert resp.status == 200
-    async with http.post(f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": chat("x")}) as resp:
+    async with http.post(
+        f"{router.url}/v1/chat/completions", json={"model": MODEL, "messages": chat("x")}
+    ) as resp:
         payload = await resp.json()
     assert resp.status == 503
     assert int(resp.headers["Retry-After"]) >= 1
