@@ -1,0 +1,109 @@
+"""The ``kvroute`` command as a user runs it: real processes, real sockets on loopback."""
+
+from __future__ import annotations
+
+import json
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+KVROUTE = [sys.executable, "-m", "router.cli"]
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free (the simulated fleet takes consecutive ports)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as second:
+                second.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
+
+
+def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:
+            return resp.status, resp.read()
+    except urllib.error.HTTPError as exc:
+        return exc.code, exc.read()
+
+
+def wait_until_up(url: str, deadline_s: float = 15.0) -> None:
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        try:
+            if get(url)[0] == 200:
+                return
+        except OSError:
+            pass
+        time.sleep(0.05)
+    raise AssertionError(f"{url} did not come up")
+
+
+@pytest.fixture
+def processes() -> Iterator[list[subprocess.Popen]]:
+    started: list[subprocess.Popen] = []
+    yield started
+    for proc in started:
+        proc.terminate()
+    for proc in started:
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def test_invalid_config_exits_2_naming_the_key(tmp_path: Path):
+    config = tmp_path / "bad.yaml"
+    config.write_text("backends:\n  - {name: a, url: 'ftp://x'}\n")
+    result = subprocess.run(
+        [*KVROUTE, "serve", "--config", str(config)], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "backends[0].url" in result.stderr
+
+
+def test_sim_and_serve_work_together(tmp_path: Path, processes):
+    engine_port = free_port_pair()
+    processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(engine_port)]))
+    wait_until_up(f"http://127.0.0.1:{engine_port}/health")
+    wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        router_port = probe.getsockname()[1]
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(
+        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+        "backends:\n"
+        f"  - {{name: a, url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
+        f"  - {{name: b, url: 'http://127.0.0.1:{engine_port + 1}', engine: vllm}}\n"
+        "routing: {policy: prefix_aware}\n"
+    )
+    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+
+    status, body = get(f"{router}/v1/models")
+    assert status == 200
+    assert [m["id"] for m in json.loads(body)["data"]] == ["sim-model"]
+    request = urllib.request.Request(
+        f"{router}/v1/chat/completions",
+        data=json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert resp.headers["x-kvroute-backend"] in {"a", "b"}
+        assert json.loads(resp.read())["choices"][0]["message"]["content"]
