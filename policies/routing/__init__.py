@@ -30,8 +30,12 @@ def resolve_policy(name: str) -> type[RoutingPolicy]:
     module_name, _, class_name = name.partition(":")
     try:
         module = importlib.import_module(module_name)
-    except ImportError as exc:
-        raise PolicyLoadError(f"routing.policy: cannot import module {module_name!r}: {exc}") from None
+    except Exception as exc:
+        # Any failure while importing the user's module (ImportError, a SyntaxError in it, an
+        # exception it raises at import, a malformed or relative name) is a config error.
+        raise PolicyLoadError(
+            f"routing.policy: cannot import module {module_name!r}: {type(exc).__name__}: {exc}"
+        ) from None
     cls = getattr(module, class_name, None)
     if not (isinstance(cls, type) and issubclass(cls, RoutingPolicy)):
         raise PolicyLoadError(
