@@ -83,3 +83,12 @@ async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0)
         if time.monotonic() > deadline:
             raise AssertionError("condition not met in time")
         await asyncio.sleep(0.02)
+
+
+async def wait_released(session: aiohttp.ClientSession, router_url: str, timeout: float = 2.0) -> None:
+    """Wait until the router reports no request in flight on any backend."""
+
+    async def released() -> bool:
+        return total(await scrape(session, router_url), "kvroute_backend_in_flight") == 0
+
+    await eventually(released, timeout=timeout)

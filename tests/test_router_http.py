@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.conftest import FAST, backends_of, eventually, scrape, total, wait_released
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1k characters: several 256-character blocks
@@ -118,8 +118,7 @@ async def test_one_hot_prefix_does_not_pile_onto_one_replica(fleet, make_router,
     picks = Counter(await asyncio.gather(*(one(i) for i in range(24))))
     assert len(picks) == 3, picks
     assert max(picks.values()) <= 16, picks
-    samples = await scrape(http, router.url)
-    assert total(samples, "kvroute_backend_in_flight") == 0
+    await wait_released(http, router.url)
 
 
 async def test_requests_route_by_model(make_router, http):
@@ -281,11 +280,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream_and_releases_counte
             return engine.stats()["cancelled"] == 1 and engine.stats()["running"] == 0
 
         await eventually(cancelled, timeout=2.0)
-
-        async def released() -> bool:
-            return total(await scrape(http, router.url), "kvroute_backend_in_flight") == 0
-
-        await eventually(released, timeout=2.0)
+        await wait_released(http, router.url)
 
 
 async def test_client_disconnect_before_first_byte_cancels_upstream(make_router, http):
@@ -306,11 +301,7 @@ async def test_client_disconnect_before_first_byte_cancels_upstream(make_router,
             return engine.stats()["cancelled"] == 1
 
         await eventually(cancelled, timeout=2.0)
-
-        async def released() -> bool:
-            return total(await scrape(http, router.url), "kvroute_backend_in_flight") == 0
-
-        await eventually(released, timeout=2.0)
+        await wait_released(http, router.url)
 
 
 async def test_metrics_count_requests_and_decisions(fleet, make_router, http):
