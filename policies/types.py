@@ -6,6 +6,7 @@ proxy, in the offline simulator and in unit tests.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 
@@ -26,6 +27,9 @@ class RequestView:
     #: Requested output length, when the client gave one.
     max_tokens: int | None = None
     stream: bool = False
+    #: The prompt's chained block hashes (empty unless the policy ``uses_prefix_match``):
+    #: ``chain[k - 1]`` identifies the first ``k`` blocks, which hash-based policies key on.
+    chain: Sequence[int] = ()
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +39,8 @@ class BackendView:
     name: str
     #: Leading blocks of the request's chain this backend is believed to hold.
     matched_blocks: int = 0
-    #: Requests the router itself has sent there and not finished: the instant signal.
+    #: Requests the router itself has sent there and not finished: the instant signal. With
+    #: the shared load view (``index.store: redis``) the other replicas' are added.
     in_flight: int = 0
     #: Engine-reported queue (waiting) and running requests, or None when not scraped/stale.
     engine_waiting: int | None = None
@@ -44,6 +49,9 @@ class BackendView:
     kv_usage: float | None = None
     #: Blocks the index believes this backend holds in total.
     cached_blocks: int = 0
+    #: Estimated prompt tokens still to prefill there: the uncached part of each request this
+    #: router sent that has not produced its first byte yet. The queue a new prefill waits behind.
+    pending_prefill_tokens: int = 0
 
     @property
     def load(self) -> int:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
+from typing import Any
 
 
 class BlockSet(ABC):
@@ -37,3 +38,20 @@ class BlockSet(ABC):
     @abstractmethod
     def evict_one(self) -> int | None:
         """Drop and return the least valuable block (for a global budget), or None when empty."""
+
+    @abstractmethod
+    def rank(self, block: int) -> Any:
+        """Where ``block`` stands in eviction order now (None when not held): a value that
+        orders blocks, lower evicted first, and stays valid until the block is touched again."""
+
+    @abstractmethod
+    def drop_through(self, rank: Any) -> list[int]:
+        """Drop and return every block ranked at or below ``rank``.
+
+        Closed-loop beliefs: when an engine no longer holds a block, it has dropped everything
+        its eviction order put before that block too.
+        """
+
+    def expire(self) -> list[int]:
+        """Drop and return the blocks that time alone has made stale; none unless time-based."""
+        return []

@@ -8,11 +8,30 @@ from typing import Any
 
 from policies.params import ParamError
 from policies.routing.base import RoutingPolicy
+from policies.routing.consistent_hash import ConsistentHash
+from policies.routing.cost import Cost
 from policies.routing.least_load import LeastLoad
+from policies.routing.power_of_two import PowerOfTwo
 from policies.routing.prefix_aware import PrefixAware
+from policies.routing.random_pick import RandomPick
 from policies.routing.round_robin import RoundRobin
+from policies.routing.session_affinity import SessionAffinity
+from policies.routing.weighted import Weighted
 
-BUILTIN: dict[str, type[RoutingPolicy]] = {cls.name: cls for cls in (RoundRobin, LeastLoad, PrefixAware)}
+BUILTIN: dict[str, type[RoutingPolicy]] = {
+    cls.name: cls
+    for cls in (
+        RoundRobin,
+        RandomPick,
+        LeastLoad,
+        PowerOfTwo,
+        SessionAffinity,
+        ConsistentHash,
+        PrefixAware,
+        Cost,
+        Weighted,
+    )
+}
 
 
 class PolicyLoadError(ValueError):

@@ -1,0 +1,382 @@
+"""The live routing benchmark: a Mooncake trace slice, time-compressed, through each router.
+
+    kvroute bench routing --minutes 10 --speedup 10 --engines 8 --capacity 1000000
+    (or python -m loadtest.bench_routing ...)
+
+For every contender — kvroute with each main policy, kvroute with plain round robin, and
+SGLang's router (``sglang-router``, ``cache_aware``) when installed — a fresh fleet of
+simulated engines (``kvroute sim``, its own process: empty caches every time) and a fresh
+router process start; the trace's requests are sent at their (compressed) arrival times as
+streaming chat completions whose prompts realise the trace's prefix structure
+(:func:`loadtest.trace.prompt_messages`); then everything is stopped. One table compares them:
+engine-reported hit ratio, TTFT mean/p50/p99 and end-to-end p50 as the client measures
+them, throughput, failed requests, and the largest engine's share of requests over the
+mean share. Beside it: the pooled-LRU and TTFT-floor bounds computed from the trace, and
+what the offline simulator predicts for the same slice, to show where virtual time and the
+live fleet disagree.
+
+Everything runs on this machine: the client, the engines and the router share its CPUs, so
+absolute latencies include their contention; compare contenders within one run, as ratios.
+``--minutes``, ``--speedup``, ``--engines`` and ``--max-output-tokens`` size the run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import math
+import shutil
+import socket
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import aiohttp
+
+from loadtest.client import Result, stream_chat
+from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.report import format_table, percentile
+from loadtest.sim.timing import EngineTiming
+from loadtest.simulate import FleetModel, bounds, simulate
+from loadtest.trace import TraceRequest, prompt_messages, read_trace
+
+MODEL = "sim-model"
+TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
+#: kvroute contenders: (policy, routing params, closed-loop beliefs).
+KVROUTE = {
+    "round_robin": ("round_robin", {}, False),
+    "least_load": ("least_load", {}, False),
+    "prefix_aware": ("prefix_aware", {}, False),
+    "weighted": ("weighted", {}, False),
+    "cost": ("cost", {}, False),
+    "cost+closed_loop": ("cost", {}, True),
+}
+DEFAULT_CONTENDERS = ("round_robin", "prefix_aware", "cost", "sglang")
+
+
+@dataclass(frozen=True)
+class Bench:
+    trace: Path
+    minutes: float
+    speedup: float
+    engines: int
+    #: KV tokens per engine (engines cache in 16-token blocks: capacity / 16 KV blocks).
+    capacity_tokens: int
+    #: The router's believed capacity per engine in tokens (kvroute's backend_capacity_blocks).
+    belief_capacity_tokens: int
+    #: Cap on each request's output tokens (0: the trace's own); streaming cost grows with it.
+    max_output_tokens: int
+    #: Replace every prefix id by a fresh one: the same load with no prefix reuse at all.
+    no_reuse: bool
+    timeout_s: float = 300.0
+
+
+@dataclass(frozen=True)
+class Row:
+    name: str
+    results: list[Result]
+    wall_s: float
+    #: Requests each engine received, from its /sim/stats.
+    received: list[int]
+    missing: str | None = None
+
+
+def load_requests(bench: Bench) -> list[TraceRequest]:
+    requests = read_trace(bench.trace, minutes=bench.minutes)
+    if bench.max_output_tokens:
+        requests = [replace(r, output_tokens=min(r.output_tokens, bench.max_output_tokens)) for r in requests]
+    if bench.no_reuse:
+        fresh = iter(range(1, 1 << 62))
+        requests = [replace(r, hash_ids=tuple(next(fresh) for _ in r.hash_ids)) for r in requests]
+    return requests
+
+
+def _consecutive_free_ports(count: int) -> int:
+    """A base port with ``count`` free ports from it (``kvroute sim`` listens on consecutive ones)."""
+    for _ in range(50):
+        base = free_port()
+        if base + count >= 65535:
+            continue
+        with contextlib.ExitStack() as stack:
+            try:
+                for port in range(base, base + count):
+                    sock = stack.enter_context(socket.socket())
+                    sock.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return base
+    raise RuntimeError(f"no {count} consecutive free ports")
+
+
+def _kvroute_bin() -> str:
+    return shutil.which("kvroute") or str(Path(sys.executable).with_name("kvroute"))
+
+
+def _engines(bench: Bench, workdir: Path) -> tuple[Contender, list[str]]:
+    base = _consecutive_free_ports(bench.engines)
+    kv_blocks = bench.capacity_tokens // EngineTiming().block_tokens
+    command = [_kvroute_bin(), "sim", "--engines", str(bench.engines), "--port", str(base)]
+    command += ["--kv-blocks", str(kv_blocks)]
+    urls = [f"http://127.0.0.1:{base + i}" for i in range(bench.engines)]
+    return Contender("engines", base, command), urls
+
+
+def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Contender:
+    policy, params, closed_loop = KVROUTE[name]
+    port = free_port()
+    block_tokens = 64  # index.block_size 256 characters at 4 characters per token
+    lines = [
+        f"listen: {{host: 127.0.0.1, port: {port}}}",
+        "log_level: warning",
+        f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1}}",
+        f"index: {{backend_capacity_blocks: {bench.belief_capacity_tokens // block_tokens}, "
+        f"closed_loop: {'true' if closed_loop else 'false'}}}",
+        "health: {interval_s: 1.0}",
+        "backends:",
+    ]
+    lines += [f"  - {{name: e{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(urls)]
+    config = workdir / f"kvroute-{name}.yaml"
+    config.write_text("\n".join(lines) + "\n")
+    return Contender(f"kvroute {name}", port, [_kvroute_bin(), "serve", "--config", str(config)])
+
+
+async def _ready(url: str, timeout: float) -> None:
+    """Until the router answers a chat request (kvroute needs its first health check first)."""
+    deadline = time.monotonic() + timeout
+    body = {"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+    async with aiohttp.ClientSession() as session:
+        while time.monotonic() < deadline:
+            with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
+                async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
+                    if resp.status == 200:
+                        return
+            await asyncio.sleep(0.2)
+    raise RuntimeError(f"{url} did not serve a request within {timeout:.0f} s")
+
+
+async def _replay(url: str, requests: Sequence[TraceRequest], bench: Bench) -> list[Result]:
+    """Each request at its compressed arrival time, whatever the ones before it are doing."""
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        start = time.perf_counter()
+
+        async def one(request: TraceRequest) -> Result:
+            await asyncio.sleep(max(0.0, start + request.arrival_s / bench.speedup - time.perf_counter()))
+            messages = prompt_messages(request)
+            return await stream_chat(
+                session, url, MODEL, messages, max_tokens=request.output_tokens, timeout_s=bench.timeout_s
+            )
+
+        return await asyncio.gather(*(one(r) for r in requests))
+
+
+async def _received(urls: Sequence[str]) -> list[int]:
+    async with aiohttp.ClientSession() as session:
+        counts = []
+        for url in urls:
+            async with session.get(f"{url}/sim/stats") as resp:
+                counts.append(int((await resp.json())["received"]))
+        return counts
+
+
+def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], workdir: Path) -> Row:
+    engines, urls = _engines(bench, workdir)
+    router = sglang(urls, None) if name == "sglang" else _kvroute(name, bench, urls, workdir)
+    if router.missing:
+        return Row(name, [], 0.0, [], missing=router.missing)
+    try:
+        engines.start(workdir)
+        for i in range(bench.engines):
+            wait_listening(engines.port + i, 30.0, engines.process)
+        router.start(workdir)
+        wait_listening(router.port, 60.0, router.process)
+        url = f"http://127.0.0.1:{router.port}"
+        asyncio.run(_ready(url, 60.0))
+        warm = asyncio.run(_received(urls))
+        started = time.perf_counter()
+        results = asyncio.run(_replay(url, requests, bench))
+        wall = time.perf_counter() - started
+        received = [n - w for n, w in zip(asyncio.run(_received(urls)), warm, strict=True)]
+        return Row(router.name, results, wall, received)
+    except RuntimeError as exc:
+        return Row(router.name, [], 0.0, [], missing=f"{exc}; {router.log_tail() or engines.log_tail()}")
+    finally:
+        router.stop()
+        engines.stop()
+
+
+@dataclass(frozen=True)
+class Figures:
+    ok: int
+    failed: int
+    hit_ratio: float
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p99: float
+    e2e_p50: float
+    throughput: float
+    share: float
+
+
+def figures(row: Row) -> Figures:
+    good = [r for r in row.results if r.ok]
+    ttfts = [r.ttft for r in good if r.ttft is not None]
+    prompt = sum(r.prompt_tokens for r in good)
+    total = sum(row.received)
+    return Figures(
+        ok=len(good),
+        failed=len(row.results) - len(good),
+        hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else math.nan,
+        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_p50=percentile(ttfts, 0.5),
+        ttft_p99=percentile(ttfts, 0.99),
+        e2e_p50=percentile([r.latency for r in good], 0.5),
+        throughput=len(good) / row.wall_s if row.wall_s else math.nan,
+        share=max(row.received) * len(row.received) / total if total else math.nan,
+    )
+
+
+def _ratio(a: float, b: float) -> str:
+    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
+
+
+def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[Row]) -> None:
+    table = []
+    figs: dict[str, Figures] = {}
+    for row in rows:
+        if row.missing:
+            table.append([row.name, "not run", "-", "-", "-", "-", "-", "-", "-", "-"])
+            continue
+        f = figs[row.name] = figures(row)
+        table.append(
+            [
+                row.name,
+                f.ok,
+                f.failed,
+                f"{f.hit_ratio:.1%}",
+                f"{f.ttft_mean * 1000:.0f}",
+                f"{f.ttft_p50 * 1000:.0f}",
+                f"{f.ttft_p99 * 1000:.0f}",
+                f"{f.e2e_p50 * 1000:.0f}",
+                f"{f.throughput:.1f}",
+                f"{f.share:.2f}",
+            ]
+        )
+    headers = ["contender", "ok", "failed", "hit ratio", "TTFT mean ms", "p50", "p99", "e2e p50 ms"]
+    print(format_table([*headers, "req/s", "max/mean share"], table))
+    for row in rows:
+        if row.missing:
+            print(f"{row.name} not run: {row.missing}")
+
+    model = FleetModel(
+        engines=bench.engines,
+        capacity_tokens=bench.capacity_tokens,
+        belief_capacity_tokens=bench.belief_capacity_tokens,
+        speedup=bench.speedup,
+    )
+    b = bounds(requests, model)
+    print(
+        f"\nbounds: pooled-LRU hit ratio {b.pooled_lru_hit_ratio:.1%}; TTFT floor mean "
+        f"{b.ttft_floor_mean * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
+    )
+    sgl = figs.get("sglang cache_aware")
+    rr = figs.get("kvroute round_robin")
+    if sgl or rr:
+        print()
+        ratios = []
+        for name, f in figs.items():
+            ratios.append(
+                [
+                    name,
+                    _ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
+                    _ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
+                    _ratio(f.ttft_p99, sgl.ttft_p99) if sgl else "-",
+                    _ratio(f.e2e_p50, rr.e2e_p50) if rr else "-",
+                ]
+            )
+        heads = ["ratios", "hit vs sglang", "TTFT mean vs sglang", "TTFT p99 vs sglang", "e2e p50 vs RR"]
+        print(format_table(heads, ratios))
+
+    predicted = []
+    for row in rows:
+        name = row.name.removeprefix("kvroute ")
+        if row.missing or name not in KVROUTE:
+            continue
+        policy, params, closed_loop = KVROUTE[name]
+        _, s = simulate(requests, replace(model, closed_loop=closed_loop), policy, params, seed=1)
+        f = figs[row.name]
+        predicted.append(
+            [
+                row.name,
+                f"{s.hit_ratio:.1%} / {f.hit_ratio:.1%}",
+                f"{s.ttft_mean * 1000:.0f} / {f.ttft_mean * 1000:.0f}",
+                f"{s.ttft_p99 * 1000:.0f} / {f.ttft_p99 * 1000:.0f}",
+                f"{s.e2e_p50 * 1000:.0f} / {f.e2e_p50 * 1000:.0f}",
+            ]
+        )
+    if predicted:
+        print("\nvirtual time (kvroute simulate) / live, same slice:")
+        heads = ["contender", "hit ratio", "TTFT mean ms", "TTFT p99 ms", "e2e p50 ms"]
+        print(format_table(heads, predicted))
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m loadtest.bench_routing", description=__doc__.split("\n")[0]
+    )
+    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")
+    parser.add_argument("--speedup", type=float, default=10.0, help="time compression (default 10)")
+    parser.add_argument("--engines", type=int, default=8)
+    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine (default 1M)")
+    parser.add_argument(
+        "--belief-capacity", type=int, help="kvroute's believed tokens per engine (default: true)"
+    )
+    parser.add_argument("--max-output-tokens", type=int, default=0, help="cap outputs (0: the trace's own)")
+    parser.add_argument("--no-reuse", action="store_true", help="fresh prefix ids: a workload without reuse")
+    parser.add_argument(
+        "--contenders",
+        default=",".join(DEFAULT_CONTENDERS),
+        help=f"comma-separated, of {', '.join([*KVROUTE, 'sglang'])} (default: %(default)s)",
+    )
+    args = parser.parse_args(argv)
+    contenders = [c for c in args.contenders.split(",") if c]
+    unknown = [c for c in contenders if c not in KVROUTE and c != "sglang"]
+    if unknown or args.engines < 1 or args.speedup <= 0 or args.capacity < 64:
+        parser.error(
+            f"unknown contender {unknown[0]!r}" if unknown else "engines, speedup, capacity: positive"
+        )
+    bench = Bench(
+        trace=args.trace,
+        minutes=args.minutes,
+        speedup=args.speedup,
+        engines=args.engines,
+        capacity_tokens=args.capacity,
+        belief_capacity_tokens=args.belief_capacity or args.capacity,
+        max_output_tokens=args.max_output_tokens,
+        no_reuse=args.no_reuse,
+    )
+    requests = load_requests(bench)
+    print(
+        f"{len(requests)} requests: the first {bench.minutes:g} min of {bench.trace.name}"
+        f"{' (no reuse)' if bench.no_reuse else ''}, {bench.speedup:g}x compressed, streamed; "
+        f"{bench.engines} engines x {bench.capacity_tokens:,} KV tokens, fresh for each contender\n",
+        flush=True,
+    )
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
+        for name in contenders:
+            row = run_contender(name, bench, requests, Path(tmp))
+            print(f"  {row.name}: {'not run' if row.missing else f'{row.wall_s:.0f} s'}", flush=True)
+            rows.append(row)
+    print()
+    print_report(bench, requests, rows)
+    return 0 if all(not r.missing and figures(r).failed == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

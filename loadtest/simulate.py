@@ -1,0 +1,568 @@
+"""The offline fleet simulator: a trace replayed through real policies on a model fleet, in virtual time.
+
+``kvroute simulate`` runs the router's own decision path — the real policy object, the real
+``MemoryIndex`` (its synchronous ``match_now``), the real eviction policies — against a
+discrete-event model of the simulated engines in :mod:`loadtest.sim`, with their timing
+parameters and rules (:class:`~loadtest.sim.timing.EngineTiming`) and their LRU prefix cache
+(:class:`~loadtest.sim.cache.PrefixCache`):
+
+* admission is FIFO, while fewer than ``max_running`` requests run and the head's KV
+  reservation (prompt + output tokens) fits in the engine's KV capacity;
+* one prefill lane per engine, in admission order: at its start the prefix cache is looked
+  up, it lasts ``prefill_seconds(uncached tokens)``, at its end the prompt enters the cache
+  and the first token is out (TTFT);
+* decode runs in batched steps of ``decode_step_seconds(batch)``, one token per decoding
+  request per step; a request finishes after its last token and frees its slot and KV.
+
+Decode steps are advanced in closed form between events (the batch only changes when a
+request joins or finishes), so the cost is a few events per request, not one per token:
+the whole one-hour Mooncake conversation trace replays in seconds.
+
+The router sees what the live one sees of its own: its in-flight count and pending prefill
+per backend and the prefix index's matches (no scraped engine metrics). It records a
+request's chain when it sends it.
+
+Where virtual time and the live fleet differ: the live router and the engines share CPUs
+(their event loops add latency under load, which virtual time does not have); the model's
+cache works in router blocks (``block_tokens``, 64 by default) where a live engine caches
+16-token blocks (a prompt's partial last router block is never counted as cached here); and
+a request joining decode mid-step is charged from that step as the live decode loop does,
+but its step count is exact only up to floating-point rounding; and the live router records
+a chain when the backend's first byte arrives (after the prefill), so requests that share a
+new prefix and arrive during its prefill are not yet steered together there.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import json
+import math
+import sys
+import time
+from collections import Counter, deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import yaml
+
+from loadtest.report import format_table, percentile
+from loadtest.sim.cache import PrefixCache
+from loadtest.sim.timing import EngineTiming
+from loadtest.trace import TraceError, TraceRequest, read_trace
+from policies.eviction import block_set_factory
+from policies.routing import PolicyLoadError, build_policy
+from policies.routing.base import RoutingPolicy
+from policies.types import BackendView, RequestView
+from router.beliefs import ClosedLoop, Prediction
+from router.index import MemoryIndex
+
+
+@dataclass(frozen=True)
+class FleetModel:
+    """The fleet and the router's belief about it."""
+
+    engines: int = 8
+    #: KV capacity of each engine in tokens: bounds its prefix cache and its running requests.
+    capacity_tokens: int = 1_000_000
+    #: Engine cost model: prefill, decode and ``max_running`` are used (the KV size is ``capacity_tokens``).
+    timing: EngineTiming = field(default_factory=EngineTiming)
+    #: Router block in tokens (``index.block_size`` / ``index.chars_per_token``); divides 512.
+    block_tokens: int = 64
+    #: The router's believed capacity per backend in tokens; None believes the true capacity.
+    belief_capacity_tokens: int | None = None
+    #: ``index.eviction`` of the router's belief.
+    eviction: str = "lru"
+    ttl_s: float = 120.0
+    #: Arrival times are divided by this: 10 replays ten minutes of trace in one minute.
+    speedup: float = 1.0
+    #: Correct beliefs from the engines' cached-token reports (``index.closed_loop``).
+    closed_loop: bool = False
+    closed_loop_tolerance: float = 0.5
+
+    def __post_init__(self) -> None:
+        if self.engines < 1 or self.capacity_tokens < self.block_tokens:
+            raise ValueError("a fleet has at least one engine and a capacity of at least one block")
+        if self.block_tokens < 1 or 512 % self.block_tokens:
+            raise ValueError("block_tokens must divide the trace's 512-token blocks")
+        if self.speedup <= 0:
+            raise ValueError("speedup must be positive")
+        block_set_factory(self.eviction, ttl_s=self.ttl_s)  # refuses an unknown eviction policy
+
+
+@dataclass(slots=True)
+class _Job:
+    """One request inside the model fleet."""
+
+    index: int
+    arrival: float
+    prompt_tokens: int
+    output_tokens: int
+    chain: list[int]
+    backend: str
+    kv_blocks: int
+    predicted_blocks: int
+    #: The router's estimate of this request's prefill: its prompt beyond the predicted match.
+    pending_tokens: int
+    prediction: Prediction | None = None
+    cached_tokens: int = 0
+    prefill_start: float = 0.0
+    first_token: float = 0.0
+    finish_step: int = 0
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """What one request experienced (None times for a request the engine refused)."""
+
+    backend: str
+    reason: str
+    prompt_tokens: int
+    cached_tokens: int
+    predicted_tokens: int
+    queue_s: float | None
+    ttft_s: float | None
+    e2e_s: float | None
+
+
+class _Engine:
+    """One engine's queues, prefill lane and decode batch, driven by the simulator's events."""
+
+    def __init__(self, name: str, model: FleetModel, sim: Simulation) -> None:
+        self.name = name
+        self.timing = model.timing
+        self.sim = sim
+        self.cache = PrefixCache(model.capacity_tokens // model.block_tokens, model.block_tokens, 1)
+        self.kv_capacity = model.capacity_tokens // self.timing.block_tokens
+        self.waiting: deque[_Job] = deque()
+        self.prefill_queue: deque[_Job] = deque()
+        self.prefilling: _Job | None = None
+        self.running = 0
+        self.reserved = 0
+        # Decode: steps done (at the end of ``step_end - step``), the batch, and finish steps.
+        self.steps = 0
+        self.step_end = 0.0
+        self.step = 0.0
+        self.decoding: list[tuple[int, int, _Job]] = []
+        self.version = 0
+
+    def submit(self, job: _Job, now: float) -> None:
+        self.waiting.append(job)
+        self._admit(now)
+
+    def _admit(self, now: float) -> None:
+        while self.waiting and self.running < self.timing.max_running:
+            head = self.waiting[0]
+            if self.reserved + head.kv_blocks > self.kv_capacity:
+                break
+            self.waiting.popleft()
+            self.running += 1
+            self.reserved += head.kv_blocks
+            self.prefill_queue.append(head)
+        if self.prefilling is None and self.prefill_queue:
+            self._start_prefill(now)
+
+    def _start_prefill(self, now: float) -> None:
+        job = self.prefilling = self.prefill_queue.popleft()
+        job.prefill_start = now
+        job.cached_tokens = self.cache.lookup(job.chain, job.prompt_tokens) * self.cache.block_tokens
+        done = now + self.timing.prefill_seconds(job.prompt_tokens - job.cached_tokens)
+        self.sim.schedule(done, self._prefill_done)
+
+    def _prefill_done(self, now: float) -> None:
+        job = self.prefilling
+        assert job is not None
+        self.prefilling = None
+        self.cache.insert(job.chain)
+        job.first_token = now
+        self.sim.first_token(job)
+        if job.output_tokens <= 1:
+            self._finish(job, now)
+        else:
+            self._join_decode(job, now)
+        if self.prefilling is None and self.prefill_queue:  # a finish may have started one
+            self._start_prefill(now)
+
+    def _advance(self, now: float) -> None:
+        """Count the decode steps completed by ``now`` (no request finishes between events)."""
+        if self.decoding and now >= self.step_end:
+            done = 1 + math.floor((now - self.step_end) / self.step)
+            self.steps += done
+            self.step_end += done * self.step
+
+    def _join_decode(self, job: _Job, now: float) -> None:
+        self._advance(now)
+        if not self.decoding:
+            # The decode loop wakes and sleeps one step sized for the new batch.
+            self.step = self.timing.decode_step_seconds(1)
+            self.step_end = now + self.step
+        # Its remaining tokens come at the ends of the next output_tokens - 1 steps.
+        job.finish_step = self.steps + job.output_tokens - 1
+        heapq.heappush(self.decoding, (job.finish_step, job.index, job))
+        self.step = self.timing.decode_step_seconds(len(self.decoding))
+        self._schedule_decode()
+
+    def _schedule_decode(self) -> None:
+        self.version += 1
+        if self.decoding:
+            steps_left = self.decoding[0][0] - self.steps
+            at = self.step_end + (steps_left - 1) * self.step
+            version = self.version
+            self.sim.schedule(at, lambda now: self._decode_event(now, version))
+
+    def _decode_event(self, now: float, version: int) -> None:
+        if version != self.version:
+            return
+        self.steps = self.decoding[0][0]
+        while self.decoding and self.decoding[0][0] <= self.steps:
+            _, _, job = heapq.heappop(self.decoding)
+            self._finish(job, now)
+        self.step = self.timing.decode_step_seconds(len(self.decoding))
+        self.step_end = now + self.step
+        self._schedule_decode()
+
+    def _finish(self, job: _Job, now: float) -> None:
+        self.running -= 1
+        self.reserved -= job.kv_blocks
+        self.sim.finished(job, now)
+        self._admit(now)
+
+
+class Simulation:
+    """One replay of a trace through one policy on a fresh model fleet."""
+
+    def __init__(self, model: FleetModel, policy: RoutingPolicy) -> None:
+        self.model = model
+        self.policy = policy
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self.names = [f"sim{i}" for i in range(model.engines)]
+        self.engines = {name: _Engine(name, model, self) for name in self.names}
+        belief = model.belief_capacity_tokens or model.capacity_tokens
+        self.index = MemoryIndex(
+            belief * model.engines // model.block_tokens,
+            block_set_factory(model.eviction, ttl_s=model.ttl_s, clock=lambda: self.now),
+        )
+        for name in self.names:
+            self.index.add_backend(name, belief // model.block_tokens)
+        self.closed_loop = (
+            ClosedLoop(self.index, model.block_tokens, model.closed_loop_tolerance)
+            if model.closed_loop
+            else None
+        )
+        self.in_flight = dict.fromkeys(self.names, 0)
+        self.pending_prefill = dict.fromkeys(self.names, 0)
+        self._reasons: dict[int, str] = {}
+        self.outcomes: dict[int, Outcome] = {}
+
+    def schedule(self, at: float, action: Callable[[float], None]) -> None:
+        heapq.heappush(self._events, (at, next(self._seq), action))
+
+    def run(self, requests: Sequence[TraceRequest]) -> list[Outcome]:
+        for i, request in enumerate(requests):
+            self.schedule(
+                request.arrival_s / self.model.speedup, lambda now, i=i: self._arrive(requests[i], i)
+            )
+        while self._events:
+            self.now, _, action = heapq.heappop(self._events)
+            action(self.now)
+        return [self.outcomes[i] for i in range(len(requests))]
+
+    def _arrive(self, request: TraceRequest, i: int) -> None:
+        model = self.model
+        chain = request.chain(model.block_tokens)
+        uses_index = self.policy.uses_prefix_match
+        matches = self.index.match_now(chain) if uses_index else {}
+        view = RequestView(
+            model="trace",
+            tenant="default",
+            session_key=None,
+            prompt_tokens=request.input_tokens,
+            block_count=len(chain),
+            block_tokens=model.block_tokens,
+            max_tokens=request.output_tokens,
+            stream=True,
+            chain=chain,
+        )
+        backends = [
+            BackendView(
+                name=name,
+                matched_blocks=matches.get(name, 0),
+                in_flight=self.in_flight[name],
+                cached_blocks=self.index.blocks_of(name),
+                pending_prefill_tokens=self.pending_prefill[name],
+            )
+            for name in self.names
+        ]
+        decision = self.policy.choose(view, backends)
+        kv_blocks = -(-(request.input_tokens + request.output_tokens) // model.timing.block_tokens)
+        job = _Job(
+            index=i,
+            arrival=self.now,
+            prompt_tokens=request.input_tokens,
+            output_tokens=request.output_tokens,
+            chain=chain,
+            backend=decision.backend,
+            kv_blocks=kv_blocks,
+            predicted_blocks=decision.matched_blocks,
+            pending_tokens=max(0, request.input_tokens - decision.matched_blocks * model.block_tokens),
+        )
+        engine = self.engines[decision.backend]
+        self._reasons[i] = decision.reason
+        if kv_blocks > engine.kv_capacity:
+            # The live engine answers 400 (over max_model_len): nothing is recorded or queued.
+            self.outcomes[i] = Outcome(
+                decision.backend, decision.reason, request.input_tokens, 0, 0, None, None, None
+            )
+            return
+        if uses_index and chain:
+            if self.closed_loop is not None:
+                job.prediction = self.closed_loop.predict(
+                    decision.backend, chain, decision.matched_blocks, request.input_tokens
+                )
+            self.index.record(decision.backend, chain)
+        self.in_flight[decision.backend] += 1
+        self.pending_prefill[decision.backend] += job.pending_tokens
+        engine.submit(job, self.now)
+
+    def first_token(self, job: _Job) -> None:
+        """The router sees the first byte: that request's prefill no longer queues anyone."""
+        self.pending_prefill[job.backend] -= job.pending_tokens
+
+    def finished(self, job: _Job, now: float) -> None:
+        self.in_flight[job.backend] -= 1
+        if self.closed_loop is not None and job.prediction is not None:
+            # A stream's usage chunk comes at its end, so that is when the live router learns.
+            self.closed_loop.report(job.prediction, job.cached_tokens)
+        self.outcomes[job.index] = Outcome(
+            backend=job.backend,
+            reason=self._reasons.pop(job.index),
+            prompt_tokens=job.prompt_tokens,
+            cached_tokens=job.cached_tokens,
+            predicted_tokens=min(job.predicted_blocks * self.model.block_tokens, job.prompt_tokens),
+            queue_s=job.prefill_start - job.arrival,
+            ttft_s=job.first_token - job.arrival,
+            e2e_s=now - job.arrival,
+        )
+
+
+@dataclass(frozen=True)
+class Summary:
+    """The figures ``kvroute simulate`` prints for one run."""
+
+    requests: int
+    refused: int
+    hit_ratio: float
+    ttft_mean: float
+    ttft_p50: float
+    ttft_p90: float
+    ttft_p99: float
+    queue_mean: float
+    queue_p99: float
+    e2e_p50: float
+    #: Largest backend's share of requests over the mean share (1.0 = perfectly even).
+    imbalance: float
+    #: Engine-reported cached tokens over the index's predicted ones for the chosen backends.
+    belief_accuracy: float
+    reasons: dict[str, int]
+    wall_s: float
+
+
+def summarize(outcomes: Sequence[Outcome], engines: int, wall_s: float = 0.0) -> Summary:
+    done = [o for o in outcomes if o.ttft_s is not None]
+    ttfts = [o.ttft_s for o in done if o.ttft_s is not None]
+    queues = [o.queue_s for o in done if o.queue_s is not None]
+    prompt = sum(o.prompt_tokens for o in done)
+    predicted = sum(o.predicted_tokens for o in done)
+    shares = Counter(o.backend for o in done)
+    return Summary(
+        requests=len(outcomes),
+        refused=len(outcomes) - len(done),
+        hit_ratio=sum(o.cached_tokens for o in done) / prompt if prompt else 0.0,
+        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_p50=percentile(ttfts, 0.50),
+        ttft_p90=percentile(ttfts, 0.90),
+        ttft_p99=percentile(ttfts, 0.99),
+        queue_mean=sum(queues) / len(queues) if queues else math.nan,
+        queue_p99=percentile(queues, 0.99),
+        e2e_p50=percentile([o.e2e_s for o in done if o.e2e_s is not None], 0.50),
+        imbalance=max(shares.values()) * engines / len(done) if done else math.nan,
+        belief_accuracy=sum(o.cached_tokens for o in done) / predicted if predicted else math.nan,
+        reasons=dict(Counter(o.reason for o in outcomes).most_common()),
+        wall_s=wall_s,
+    )
+
+
+def simulate(
+    requests: Sequence[TraceRequest],
+    model: FleetModel,
+    policy: str,
+    params: Mapping[str, Any] | None = None,
+    seed: int = 0,
+) -> tuple[list[Outcome], Summary]:
+    """Replay ``requests`` through ``policy`` (built as the router builds it) on ``model``."""
+    started = time.perf_counter()
+    outcomes = Simulation(model, build_policy(policy, params, seed=seed)).run(requests)
+    return outcomes, summarize(outcomes, model.engines, time.perf_counter() - started)
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """What no routing can beat on a trace and fleet, computed from the trace alone."""
+
+    #: Hit ratio of one LRU cache as large as the whole fleet: perfect placement on LRU engines.
+    pooled_lru_hit_ratio: float
+    #: Each request's own prefill of what that pooled cache misses, without any queueing.
+    ttft_floor_mean: float
+    ttft_floor_p50: float
+    ttft_floor_p99: float
+
+
+def bounds(requests: Iterable[TraceRequest], model: FleetModel) -> Bounds:
+    pooled = PrefixCache(model.engines * model.capacity_tokens // model.block_tokens, model.block_tokens, 1)
+    floors = []
+    for request in requests:
+        chain = request.chain(model.block_tokens)
+        cached = pooled.lookup(chain, request.input_tokens) * model.block_tokens
+        pooled.insert(chain)
+        floors.append(model.timing.prefill_seconds(request.input_tokens - cached))
+    return Bounds(
+        pooled_lru_hit_ratio=pooled.hits_tokens / pooled.queries_tokens if pooled.queries_tokens else 0.0,
+        ttft_floor_mean=sum(floors) / len(floors) if floors else math.nan,
+        ttft_floor_p50=percentile(floors, 0.5),
+        ttft_floor_p99=percentile(floors, 0.99),
+    )
+
+
+#: FleetModel fields ``--sweep`` may vary besides the policy's own parameters.
+_FLEET_KEYS = (
+    "engines",
+    "capacity_tokens",
+    "belief_capacity_tokens",
+    "eviction",
+    "ttl_s",
+    "speedup",
+    "closed_loop",
+    "closed_loop_tolerance",
+)
+
+
+def sweep_runs(
+    policies: Sequence[str], params: Mapping[str, Any], sweep: tuple[str, list[Any]] | None, model: FleetModel
+) -> list[tuple[str, str, FleetModel, dict[str, Any]]]:
+    """(policy, label, fleet, params) for every run a command asks for, in table order."""
+    runs = []
+    for policy in policies:
+        if sweep is None:
+            runs.append((policy, "", model, dict(params)))
+            continue
+        key, values = sweep
+        for value in values:
+            if key in _FLEET_KEYS:
+                runs.append((policy, f"{key}={value}", replace(model, **{key: value}), dict(params)))
+            else:
+                runs.append((policy, f"{key}={value}", model, {**params, key: value}))
+    return runs
+
+
+def report(
+    requests: Sequence[TraceRequest],
+    runs: Sequence[tuple[str, str, FleetModel, dict[str, Any]]],
+    seed: int = 0,
+    out: Callable[[str], None] = print,
+) -> list[Summary]:
+    """Run each of ``runs`` and print one table row per run, then the trace's bounds."""
+    rows, summaries = [], []
+    for policy, label, model, params in runs:
+        _, s = simulate(requests, model, policy, params, seed)
+        summaries.append(s)
+        rows.append(
+            [
+                policy,
+                label,
+                f"{s.hit_ratio:.1%}",
+                f"{s.ttft_mean * 1000:.0f}",
+                f"{s.ttft_p50 * 1000:.0f}",
+                f"{s.ttft_p90 * 1000:.0f}",
+                f"{s.ttft_p99 * 1000:.0f}",
+                f"{s.queue_mean * 1000:.0f}",
+                f"{s.e2e_p50 * 1000:.0f}",
+                f"{s.imbalance:.2f}",
+                f"{s.belief_accuracy:.2f}",
+                s.refused,
+                f"{s.wall_s:.1f}",
+            ]
+        )
+    headers = ["policy", "run", "hit ratio", "TTFT mean ms", "p50", "p90", "p99", "queue mean ms"]
+    headers += ["e2e p50 ms", "max/mean share", "cached/predicted", "refused", "wall s"]
+    out(format_table(headers, rows))
+    base = runs[0][2]
+    b = bounds(requests, base)
+    out(
+        f"\nbounds for {base.engines} engines x {base.capacity_tokens:,} tokens: pooled-LRU hit ratio "
+        f"{b.pooled_lru_hit_ratio:.1%}; TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
+        f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
+    )
+    return summaries
+
+
+class UsageError(ValueError):
+    """A ``kvroute simulate`` argument is malformed; the message says which and why."""
+
+
+def parse_sweep(text: str | None) -> tuple[str, list[Any]] | None:
+    """``key=v1,v2,...`` with each value read as YAML (so 2, 0.5, true and lru all mean what they say)."""
+    if text is None:
+        return None
+    key, sep, values = text.partition("=")
+    if not sep or not key or not values:
+        raise UsageError(f"--sweep: expected key=v1,v2,..., got {text!r}")
+    return key, [yaml.safe_load(v) for v in values.split(",")]
+
+
+def parse_params(text: str | None) -> dict[str, Any]:
+    if not text:
+        return {}
+    try:
+        params = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise UsageError(f"--params: not valid JSON: {exc}") from None
+    if not isinstance(params, dict):
+        raise UsageError("--params: expected a JSON object of the policy's parameters")
+    return params
+
+
+def run_command(
+    trace: str,
+    policies: Sequence[str],
+    model: FleetModel,
+    *,
+    params: str | None = None,
+    sweep: str | None = None,
+    minutes: float | None = None,
+    limit: int | None = None,
+    seed: int = 0,
+) -> int:
+    """``kvroute simulate``: read the trace, run every policy (and sweep value), print the table."""
+    try:
+        runs = sweep_runs(policies, parse_params(params), parse_sweep(sweep), model)
+        for policy, _, _, run_params in runs:
+            build_policy(policy, run_params, seed=seed)  # refuse bad params before the long part
+        requests = read_trace(trace, minutes=minutes, limit=limit)
+    except (UsageError, PolicyLoadError, TraceError, OSError, ValueError, TypeError) as exc:
+        print(f"kvroute simulate: {exc}", file=sys.stderr)
+        return 2
+    if not requests:
+        print("kvroute simulate: the trace slice has no requests", file=sys.stderr)
+        return 2
+    span = requests[-1].arrival_s / model.speedup
+    print(
+        f"{len(requests)} requests over {span / 60:.1f} min of virtual time (speedup {model.speedup:g}), "
+        f"{model.engines} engines x {model.capacity_tokens:,} KV tokens, router blocks of "
+        f"{model.block_tokens} tokens, {model.eviction} beliefs\n",
+        flush=True,
+    )
+    report(requests, runs, seed)
+    return 0

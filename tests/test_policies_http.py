@@ -1,0 +1,102 @@
+"""Every built-in policy behind the real router, over HTTP, against simulated engines."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from loadtest.sim.fleet import SimFleet
+from policies.routing import BUILTIN
+from router.app import POOL
+from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.test_policies_rules import REASONS
+
+MODEL = "sim-model"
+SYSTEM = "You are a careful assistant. " * 40
+
+
+def body(text: str, **extra) -> dict:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": text}]
+    return {"model": MODEL, "messages": messages, "max_tokens": 2, **extra}
+
+
+@pytest.mark.parametrize("policy", sorted(BUILTIN))
+async def test_no_healthy_backend_is_503_whatever_the_policy(policy, make_router, http):
+    """'All unhealthy' never reaches a policy: the dispatcher answers first."""
+    async with SimFleet(2, timing=FAST) as gone:
+        backends = [{**b, "models": [MODEL]} for b in backends_of(gone)]
+    router = await make_router(backends, routing={"policy": policy})
+    async with http.post(f"{router.url}/v1/chat/completions", json=body("x")) as resp:
+        payload = await resp.json()
+    assert resp.status == 503
+    assert payload["error"]["code"] == "no_healthy_backend"
+
+
+@pytest.mark.parametrize("policy", sorted(REASONS))
+async def test_each_policy_routes_and_labels_its_reason(policy, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), routing={"policy": policy})
+    for i in range(6):
+        async with http.post(f"{router.url}/v1/chat/completions", json=body(f"q{i % 2}")) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-reason"] in REASONS[policy]
+            assert resp.headers["x-kvroute-backend"] in {"e0", "e1", "e2"}
+            await resp.read()
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_routing_decisions_total", policy=policy) == 6
+    assert total(samples, "kvroute_backend_in_flight") == 0
+
+
+async def test_session_affinity_follows_the_header_then_the_user_field(fleet, make_router, http):
+    router = await make_router(backends_of(fleet), routing={"policy": "session_affinity"})
+    url = f"{router.url}/v1/chat/completions"
+    for session in ("alpha", "beta", "gamma"):
+        seen = set()
+        for i in range(4):
+            async with http.post(url, json=body(f"turn {i}"), headers={"x-session-id": session}) as resp:
+                assert resp.headers["x-kvroute-reason"] == "session"
+                seen.add(resp.headers["x-kvroute-backend"])
+            async with http.post(url, json=body(f"turn {i}", user=session)) as resp:
+                seen.add(resp.headers["x-kvroute-backend"])
+        assert len(seen) == 1
+    async with http.post(url, json=body("anonymous")) as resp:
+        assert resp.headers["x-kvroute-reason"] == "no_session_least_load"
+
+
+async def test_consistent_hash_sends_a_shared_prompt_head_to_one_backend(fleet, make_router, http):
+    router = await make_router(backends_of(fleet), routing={"policy": "consistent_hash"})
+    picks = set()
+    for i in range(8):
+        async with http.post(f"{router.url}/v1/chat/completions", json=body(f"question {i}")) as resp:
+            assert resp.headers["x-kvroute-reason"] == "ring_owner"
+            picks.add(resp.headers["x-kvroute-backend"])
+    assert len(picks) == 1
+
+
+async def test_pending_prefill_is_held_until_the_first_byte_and_released_on_every_path(make_router, http):
+    slow_prefill = FAST.__class__(prefill_base_s=0.3)
+    async with SimFleet(1, timing=slow_prefill) as fleet:
+        router = await make_router(backends_of(fleet), routing={"policy": "cost"})
+        backend = router.app[POOL]["e0"]
+        url = f"{router.url}/v1/chat/completions"
+
+        async def pending() -> bool:
+            return backend.pending_prefill_tokens > 0
+
+        async def released() -> bool:
+            return backend.pending_prefill_tokens == 0
+
+        # A stream: held while the engine prefills, released at its first byte.
+        async with http.post(url, json=body("stream", stream=True, max_tokens=50)) as resp:
+            assert backend.pending_prefill_tokens == 0
+            await resp.read()
+        await eventually(released)
+        # A non-streamed response, and a client that leaves before the first byte.
+        plain = asyncio.create_task(http.post(url, json=body("plain")))
+        await eventually(pending)
+        await (await plain).read()
+        await eventually(released)
+        abandoned = asyncio.create_task(http.post(url, json=body("gone", stream=True)))
+        await eventually(pending)
+        abandoned.cancel()
+        await eventually(released, timeout=2.0)

@@ -1,0 +1,263 @@
+"""The offline simulator: Mooncake traces, the virtual-time fleet model, and ``kvroute simulate``."""
+
+from __future__ import annotations
+
+import json
+import random
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from loadtest.sim.timing import EngineTiming
+from loadtest.simulate import FleetModel, bounds, simulate
+from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
+from router.cli import main
+
+TIMING = EngineTiming()
+
+
+def row(at_ms: float, tokens: int, out: int, ids: list[int]) -> dict:
+    return {"timestamp": at_ms, "input_length": tokens, "output_length": out, "hash_ids": ids}
+
+
+def write_trace(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def req(at_s: float, tokens: int, out: int, ids: tuple[int, ...]) -> TraceRequest:
+    return TraceRequest(arrival_s=at_s, input_tokens=tokens, output_tokens=out, hash_ids=ids)
+
+
+def synthetic(n: int = 400, seed: int = 0) -> list[TraceRequest]:
+    """Conversations over shared system prompts: each turn extends the previous one's prompt."""
+    rng = random.Random(seed)
+    next_id = 100
+    sessions: list[list[int]] = []
+    requests = []
+    for i in range(n):
+        if not sessions or rng.random() < 0.3:
+            sessions.append([rng.randrange(4)])  # one of four system prompts
+        session = rng.choice(sessions)
+        session.extend(range(next_id, next_id + rng.randint(1, 3)))
+        next_id += 3
+        requests.append(req(i * 0.05, len(session) * 512 - 100, rng.randint(5, 40), tuple(session)))
+    return requests
+
+
+# --- traces -------------------------------------------------------------------------------------
+
+
+def test_a_trace_is_read_in_order_and_can_be_cut(tmp_path: Path) -> None:
+    path = write_trace(
+        tmp_path / "t.jsonl", [row(0, 600, 5, [0, 1]), row(30_000, 512, 0, [0]), row(90_000, 10, 1, [7])]
+    )
+    requests = read_trace(path)
+    assert [r.arrival_s for r in requests] == [0.0, 30.0, 90.0]
+    assert requests[1].output_tokens == 1  # an empty output still produces its first token
+    assert len(read_trace(path, minutes=1)) == 2
+    assert len(read_trace(path, limit=1)) == 1
+
+
+@pytest.mark.parametrize(
+    ("line", "problem"),
+    [
+        ("{not json", "JSONDecodeError"),
+        ('{"timestamp": 1}', "KeyError"),
+        (json.dumps(row(0, 0, 1, [1])), "non-empty"),
+    ],
+)
+def test_a_bad_trace_line_is_named(tmp_path: Path, line: str, problem: str) -> None:
+    path = tmp_path / "bad.jsonl"
+    path.write_text(json.dumps(row(0, 600, 5, [0, 1])) + "\n" + line + "\n")
+    with pytest.raises(TraceError, match=rf"line 2: .*{problem}"):
+        read_trace(path)
+
+
+def test_trace_blocks_become_router_blocks_and_only_full_ones_count() -> None:
+    request = req(0, 512 + 200, 1, (5, 9))
+    assert request.chain(512) == [5]
+    assert request.chain(64) == [5 * 8 + k for k in range(8)] + [9 * 8 + 0, 9 * 8 + 1, 9 * 8 + 2]
+    # Equal ids at the same position: equal prefixes, equal chains; prefix-unique ids keep them apart.
+    assert req(0, 1024, 1, (5, 10)).chain(64)[:8] == request.chain(64)[:8]
+
+
+def test_prompt_text_realises_the_trace_prefixes() -> None:
+    a, b = req(0, 1000, 1, (1, 2)), req(0, 1000, 1, (1, 3))
+    assert len(prompt_text(a)) == 4000
+    assert prompt_text(a)[:2048] == prompt_text(b)[:2048]
+    assert prompt_text(a)[2048:] != prompt_text(b)[2048:]
+    assert "".join(m["content"] for m in prompt_messages(a)) == prompt_text(a)
+
+
+def test_prompt_messages_realise_the_trace_prefixes() -> None:
+    a, b = req(0, 1000, 1, (1, 2)), req(0, 1000, 1, (1, 3))
+    first, second = prompt_messages(a), prompt_messages(b)
+    assert sum(len(m["content"]) for m in first) == 4000
+    assert len(first[0]["content"]) == 2048
+    assert first[0] == second[0]
+    assert first[1] != second[1]
+    assert prompt_messages(req(0, 100, 1, (1, 2))) == [{"role": "user", "content": first[0]["content"][:400]}]
+
+
+# --- the fleet model, against the timing model --------------------------------------------------
+
+
+def test_a_lone_request_costs_its_prefill_and_its_decode_steps() -> None:
+    model = FleetModel(engines=1, capacity_tokens=100_000)
+    (first,), _ = simulate([req(0, 1000, 10, (1, 2))], model, "round_robin")
+    assert first.ttft_s == pytest.approx(TIMING.prefill_seconds(1000))
+    assert first.e2e_s == pytest.approx(first.ttft_s + 9 * TIMING.decode_step_seconds(1))
+    assert first.queue_s == 0
+
+
+def test_a_repeat_finds_its_prefix_cached_but_recomputes_the_last_block() -> None:
+    model = FleetModel(engines=1, capacity_tokens=100_000)
+    outcomes, summary = simulate([req(0, 1024, 2, (1, 2)), req(10, 1024, 2, (1, 2))], model, "round_robin")
+    assert outcomes[0].cached_tokens == 0
+    assert outcomes[1].cached_tokens == 1024 - 64
+    assert outcomes[1].ttft_s == pytest.approx(TIMING.prefill_seconds(64))
+    assert summary.hit_ratio == pytest.approx(960 / 2048)
+
+
+def test_one_prefill_lane_queues_simultaneous_arrivals() -> None:
+    model = FleetModel(engines=1, capacity_tokens=100_000)
+    outcomes, summary = simulate(
+        [req(0, 2000, 1, (1, 2, 3, 4)), req(0, 2000, 1, (5, 6, 7, 8))], model, "round_robin"
+    )
+    assert outcomes[1].queue_s == pytest.approx(TIMING.prefill_seconds(2000))
+    assert summary.queue_mean == pytest.approx(TIMING.prefill_seconds(2000) / 2)
+
+
+def test_a_larger_batch_decodes_slower() -> None:
+    model = FleetModel(engines=1, capacity_tokens=100_000)
+    (alone,), _ = simulate([req(0, 100, 50, (1,))], model, "round_robin")
+    crowd, _ = simulate([req(0, 100, 50, (i,)) for i in range(8)], model, "round_robin")
+    decode_alone = alone.e2e_s - alone.ttft_s
+    assert decode_alone == pytest.approx(49 * TIMING.decode_step_seconds(1))
+    assert crowd[0].e2e_s - crowd[0].ttft_s > 49 * TIMING.decode_step_seconds(4)
+
+
+def test_admission_waits_for_a_slot_when_max_running_is_reached() -> None:
+    model = FleetModel(engines=1, capacity_tokens=100_000, timing=EngineTiming(max_running=1))
+    outcomes, _ = simulate([req(0, 500, 20, (1,)), req(0, 500, 20, (2,))], model, "round_robin")
+    assert outcomes[1].queue_s == pytest.approx(outcomes[0].e2e_s)
+
+
+def test_a_request_larger_than_the_kv_cache_is_refused() -> None:
+    model = FleetModel(engines=2, capacity_tokens=4096)
+    outcomes, summary = simulate(
+        [req(0, 5000, 1, tuple(range(10))), req(0, 100, 1, (1,))], model, "least_load"
+    )
+    assert outcomes[0].ttft_s is None
+    assert summary.refused == 1
+    assert outcomes[1].ttft_s is not None
+
+
+# --- policies in the model ----------------------------------------------------------------------
+
+
+def test_cache_aware_routing_finds_more_of_the_prompts_cached() -> None:
+    requests = synthetic()
+    model = FleetModel(engines=4, capacity_tokens=40_000)
+    _, blind = simulate(requests, model, "round_robin")
+    _, aware = simulate(requests, model, "prefix_aware")
+    limit = bounds(requests, model)
+    assert aware.hit_ratio > 1.5 * blind.hit_ratio
+    assert aware.ttft_mean < blind.ttft_mean
+    assert aware.hit_ratio <= limit.pooled_lru_hit_ratio + 0.05
+    assert blind.imbalance == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_same_seed_replays_the_same_run() -> None:
+    requests = synthetic(150)
+    model = FleetModel(engines=3, capacity_tokens=30_000)
+    first, _ = simulate(requests, model, "power_of_two", seed=4)
+    again, _ = simulate(requests, model, "power_of_two", seed=4)
+    assert first == again
+
+
+def test_ttl_beliefs_expire_in_virtual_time() -> None:
+    requests = [req(0, 1024, 2, (1, 2)), req(100, 1024, 2, (1, 2))]
+    model = FleetModel(engines=2, capacity_tokens=100_000, eviction="ttl", ttl_s=50.0)
+    _, summary = simulate(requests, model, "prefix_aware")
+    assert summary.reasons == {"no_match_least_load": 2}
+    _, held = simulate(requests, FleetModel(engines=2, capacity_tokens=100_000), "prefix_aware")
+    assert held.reasons == {"no_match_least_load": 1, "prefix_hit": 1}
+
+
+def test_beliefs_larger_than_the_engines_overpredict() -> None:
+    requests = synthetic(300)
+    honest = FleetModel(engines=2, capacity_tokens=20_000)
+    inflated = FleetModel(engines=2, capacity_tokens=20_000, belief_capacity_tokens=2_000_000)
+    _, right = simulate(requests, honest, "prefix_aware")
+    _, wrong = simulate(requests, inflated, "prefix_aware")
+    assert right.belief_accuracy > 0.9
+    assert wrong.belief_accuracy < right.belief_accuracy
+
+
+def test_closed_loop_beliefs_recover_accuracy_in_the_simulator() -> None:
+    requests = synthetic(300)
+    inflated = FleetModel(engines=2, capacity_tokens=20_000, belief_capacity_tokens=2_000_000)
+    _, open_loop = simulate(requests, inflated, "prefix_aware")
+    _, closed = simulate(requests, replace(inflated, closed_loop=True), "prefix_aware")
+    assert closed.belief_accuracy > open_loop.belief_accuracy + 0.1
+
+
+# --- the command --------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def trace_file(tmp_path: Path) -> Path:
+    rows = [
+        row(r.arrival_s * 1000, r.input_tokens, r.output_tokens, list(r.hash_ids)) for r in synthetic(120)
+    ]
+    return write_trace(tmp_path / "trace.jsonl", rows)
+
+
+def test_simulate_command_prints_one_row_per_policy_and_sweep_value(trace_file, capsys) -> None:
+    code = main(
+        ["simulate", "--trace", str(trace_file), "--policy", "round_robin,cost", "--engines", "3",
+         "--capacity", "30000", "--sweep", "capacity_tokens=20000,60000"]
+    )  # fmt: skip
+    out = capsys.readouterr().out
+    assert code == 0
+    assert "120 requests" in out
+    table = [line.split() for line in out.splitlines() if line.startswith(("round_robin ", "cost "))]
+    assert [(r[0], r[1]) for r in table] == [
+        ("round_robin", "capacity_tokens=20000"),
+        ("round_robin", "capacity_tokens=60000"),
+        ("cost", "capacity_tokens=20000"),
+        ("cost", "capacity_tokens=60000"),
+    ]
+    assert "pooled-LRU hit ratio" in out
+
+
+def test_simulate_command_sweeps_a_policy_parameter(trace_file, capsys) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--policy", "cost", "--sweep", "load_tokens=0,4096"]
+    assert main([*args, "--params", '{"temperature": 0.1}']) == 0
+    out = capsys.readouterr().out
+    assert "load_tokens=0" in out and "load_tokens=4096" in out
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--policy", "nope"], "unknown policy 'nope'"),
+        (["--policy", "cost", "--params", "{bad"], "--params: not valid JSON"),
+        (["--policy", "cost", "--params", '{"load_tokens": -1}'], "load_tokens"),
+        (["--policy", "cost", "--sweep", "load_tokens"], "--sweep: expected key=v1,v2"),
+        (["--policy", "round_robin", "--sweep", "load_tokens=1,2"], "load_tokens: unknown key"),
+        (["--policy", "cost", "--engines", "0"], "at least one engine"),
+        (["--policy", "cost", "--eviction", "fifo"], "unknown eviction policy"),
+    ],
+)
+def test_simulate_command_refuses_bad_arguments(trace_file, capsys, extra, message) -> None:
+    assert main(["simulate", "--trace", str(trace_file), *extra]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_simulate_command_reports_a_missing_trace(tmp_path, capsys) -> None:
+    assert main(["simulate", "--trace", str(tmp_path / "none.jsonl"), "--policy", "cost"]) == 2
+    assert "none.jsonl" in capsys.readouterr().err

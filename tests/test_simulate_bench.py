@@ -1,0 +1,64 @@
+"""The live routing benchmark's pure parts: the trace slice it sends and the figures it prints."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from loadtest.bench_routing import Bench, Row, figures, load_requests, main
+from loadtest.client import Result
+
+
+def bench(path: Path, **overrides) -> Bench:
+    fields = dict(
+        trace=path, minutes=10.0, speedup=10.0, engines=2, capacity_tokens=100_000,
+        belief_capacity_tokens=100_000, max_output_tokens=0, no_reuse=False,
+    )  # fmt: skip
+    return Bench(**{**fields, **overrides})
+
+
+@pytest.fixture
+def trace(tmp_path: Path) -> Path:
+    rows = [
+        {"timestamp": 0, "input_length": 1100, "output_length": 300, "hash_ids": [0, 1, 2]},
+        {"timestamp": 500, "input_length": 1100, "output_length": 20, "hash_ids": [0, 1, 3]},
+    ]
+    path = tmp_path / "trace.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_the_slice_keeps_the_trace_unless_told_otherwise(trace: Path) -> None:
+    requests = load_requests(bench(trace))
+    assert [r.hash_ids for r in requests] == [(0, 1, 2), (0, 1, 3)]
+    capped = load_requests(bench(trace, max_output_tokens=64))
+    assert [r.output_tokens for r in capped] == [64, 20]
+
+
+def test_no_reuse_gives_every_block_a_fresh_id_and_keeps_the_load(trace: Path) -> None:
+    requests = load_requests(bench(trace, no_reuse=True))
+    ids = [h for r in requests for h in r.hash_ids]
+    assert len(ids) == len(set(ids)) == 6
+    assert [r.input_tokens for r in requests] == [1100, 1100]
+
+
+def test_figures_of_a_run() -> None:
+    results = [
+        Result(True, 200, ttft=0.1, latency=1.0, prompt_tokens=100, cached_tokens=50),
+        Result(True, 200, ttft=0.3, latency=2.0, prompt_tokens=100, cached_tokens=0),
+        Result(False, 502, ttft=None, latency=0.5),
+    ]
+    f = figures(Row("x", results, wall_s=4.0, received=[3, 1]))
+    assert (f.ok, f.failed) == (2, 1)
+    assert f.hit_ratio == pytest.approx(0.25)
+    assert f.ttft_mean == pytest.approx(0.2)
+    assert f.throughput == pytest.approx(0.5)
+    assert f.share == pytest.approx(1.5)
+
+
+def test_unknown_contenders_are_refused(trace: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--trace", str(trace), "--contenders", "cost,nginx"])
+    assert "unknown contender 'nginx'" in capsys.readouterr().err
