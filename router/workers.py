@@ -1,0 +1,120 @@
+"""``kvroute serve --workers N``: N router processes on one port, sharing state through Redis.
+
+One Python process routes on one core. Each worker is a full router (its own event loop,
+connections and background loops) listening on the same port with SO_REUSEPORT, so the
+kernel spreads incoming connections across them; they share the prefix index and the
+in-flight load through Redis, so the fleet is seen as one router would see it.
+
+The memory store is refused: each worker would keep its own partial picture of the
+engines' caches and load, and the same prefix would be sent to different engines — the
+very problem several workers are meant to solve, silently made worse.
+
+Supervision is deliberately simple: SIGTERM or SIGINT stops every worker gracefully (they
+drain, flush queued index updates and withdraw their load), SIGHUP is forwarded to every
+worker (each reloads the config file); if one worker dies on its own, the others are
+stopped and the command exits non-zero, so the process manager (systemd, Kubernetes)
+restarts a whole, known-good router instead of running one short.
+
+State that is not in Redis stays per worker: ``/metrics`` and the admin API answer for the
+worker that takes the connection (an admin ``listen`` port of its own is refused, as every
+worker would bind it).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import signal
+import sys
+from multiprocessing.connection import wait
+from types import FrameType
+
+from router.config import Config
+
+log = logging.getLogger("kvroute.workers")
+
+#: How long stopping workers get to finish in-flight requests before they are killed.
+STOP_GRACE_S = 30.0
+
+
+def refusal(config: Config, workers: int) -> str | None:
+    """Why ``workers`` processes cannot serve ``config``, or None when they can."""
+    if workers < 1:
+        return "--workers: expected a positive integer"
+    if workers == 1:
+        return None
+    if config.index.store != "redis":
+        return (
+            f"--workers {workers} needs index.store: redis. With the memory store every worker would "
+            "keep its own partial view of the engines' caches and load, and route the same prefix to "
+            "different engines. Configure index.store: redis (and index.redis.url), or run one worker."
+        )
+    if config.listen.port == 0:
+        return "--workers needs a fixed listen.port: with port 0 every worker would listen on a different one"
+    if config.admin.listen is not None:
+        return (
+            "--workers cannot serve admin.listen: every worker would bind that port. Serve the admin "
+            "API on the main listener (each call then reaches one worker), or run one worker."
+        )
+    return None
+
+
+def _worker_main(config: Config, config_path: str | None) -> None:
+    from router.cli import _run  # the one place that picks the event loop (uvloop where installed)
+    from router.server import serve_forever
+
+    logging.basicConfig(
+        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
+    )
+    _run(serve_forever(config, config_path, reuse_port=True))
+
+
+def serve_workers(config: Config, workers: int, config_path: str | None = None) -> int:
+    """Run ``workers`` worker processes until a signal (exit 0) or a worker's death (exit 1).
+
+    Each worker drains on SIGTERM/SIGINT and reloads ``config_path`` on SIGHUP, as a single
+    ``kvroute serve`` does; the supervisor forwards SIGHUP to every worker.
+    """
+    context = multiprocessing.get_context("spawn")
+    processes = [
+        context.Process(target=_worker_main, args=(config, config_path), name=f"kvroute-worker-{i}")
+        for i in range(workers)
+    ]
+    stopping = False
+
+    def on_signal(signum: int, frame: FrameType | None) -> None:
+        nonlocal stopping
+        stopping = True
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        for process in processes:
+            if process.pid is not None and process.is_alive():
+                os.kill(process.pid, signum)
+
+    previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward)
+    try:
+        for process in processes:
+            process.start()
+        listen = config.listen
+        print(f"kvroute listening on http://{listen.host}:{listen.port} with {workers} workers", flush=True)
+        while not stopping:
+            ended = wait([p.sentinel for p in processes], timeout=0.5)
+            if ended and not stopping:
+                dead = next(p for p in processes if p.sentinel in ended)
+                log.error("worker %s exited with code %s; stopping the others", dead.name, dead.exitcode)
+                print(f"kvroute: worker {dead.name} exited with code {dead.exitcode}", file=sys.stderr)
+                break
+    finally:
+        for process in processes:
+            if process.is_alive():
+                process.terminate()
+        for process in processes:
+            process.join(STOP_GRACE_S)
+            if process.is_alive():
+                process.kill()
+                process.join()
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return 0 if stopping else 1

@@ -1,0 +1,180 @@
+"""Routers sharing a real Redis over HTTP: one view of the caches, one view of load, and outages."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtest.sim.fleet import SimFleet
+from router.backends import BackendPool
+from router.config import BackendConfig, RedisConfig
+from router.metrics import RedisMetrics, RouterMetrics
+from router.redis_client import build_client
+from router.redis_link import RedisLink
+from router.shared_load import SharedLoad
+from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.redis_servers import RedisServer, redis_server
+
+MODEL = "sim-model"
+SYSTEM = "You are a careful assistant. " * 40
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    with redis_server() as s:
+        yield s
+
+
+def redis_index(server: RedisServer, **redis: Any) -> dict[str, Any]:
+    return {"store": "redis", "redis": {"url": server.url, "retry_interval_s": 0.05, **redis}}
+
+
+async def chat(
+    http: aiohttp.ClientSession, url: str, user: str, max_tokens: int = 2
+) -> aiohttp.ClientResponse:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+    }
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        return resp
+
+
+async def test_a_prefix_routed_by_one_replica_is_found_by_another(server, fleet, make_router, http):
+    one = await make_router(backends_of(fleet), index=redis_index(server))
+    two = await make_router(backends_of(fleet), index=redis_index(server))
+    first = await chat(http, one.url, "turn one")
+    backend = first.headers["x-kvroute-backend"]
+
+    async def written() -> bool:
+        return server.client().zcard(f"{{kvroute}}:blocks:{backend}") > 0
+
+    await eventually(written)
+    second = await chat(http, two.url, "turn two")
+    assert second.status == 200
+    assert second.headers["x-kvroute-backend"] == backend
+    assert second.headers["x-kvroute-reason"] == "prefix_hit"
+    samples = await scrape(http, two.url)
+    assert total(samples, "kvroute_matched_tokens_total") > 0
+    assert total(samples, "kvroute_redis_fallbacks_total") == 0
+    assert total(samples, "kvroute_redis_latency_seconds_count", op="match") >= 1
+    assert total(samples, "kvroute_index_blocks") > 0
+
+
+async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(server))
+    statuses: list[int] = []
+    gate = asyncio.Semaphore(6)
+
+    async def one(i: int) -> None:
+        async with gate:
+            resp = await chat(http, router.url, f"question {i % 17}")
+            statuses.append(resp.status)
+
+    async def until_done(count: int) -> None:
+        async def reached() -> bool:
+            return len(statuses) >= count
+
+        await eventually(reached, timeout=30)
+
+    stream = asyncio.gather(*(one(i) for i in range(150)))
+    await until_done(30)
+    server.stop()
+    await until_done(80)
+    server.start()
+    await stream
+    assert statuses == [200] * 150
+
+    async def recovered() -> bool:
+        samples = await scrape(http, router.url)
+        return total(samples, "kvroute_redis_up") == 1
+
+    await eventually(recovered)
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_redis_fallbacks_total") > 0
+    assert total(samples, "kvroute_redis_errors_total") > 0
+    assert total(samples, "kvroute_requests_total", status="200") == 150
+    # Back on shared state: new requests are written to the restarted (empty) Redis again.
+    await chat(http, router.url, "after the outage")
+
+    async def rewritten() -> bool:
+        return any(server.client().scan_iter("{kvroute}:blocks:*"))
+
+    await eventually(rewritten)
+
+
+async def test_policies_see_in_flight_requests_of_other_replicas(server, make_router, http):
+    slow = FAST.__class__(decode_step_s=0.02)
+    async with SimFleet(2, timing=slow) as fleet:
+        backends = backends_of(fleet)
+        # Replica one only knows e0, so its long requests all land there.
+        one = await make_router(backends[:1], index=redis_index(server, load_interval_s=0.02))
+        two = await make_router(
+            backends, index=redis_index(server, load_interval_s=0.02), routing={"policy": "least_load"}
+        )
+        long_requests = asyncio.gather(*(chat(http, one.url, f"long {i}", max_tokens=150) for i in range(3)))
+
+        async def two_sees_e0_busy() -> bool:
+            samples = await scrape(http, two.url)
+            return total(samples, "kvroute_backend_in_flight_others", backend="e0") == 3
+
+        await eventually(two_sees_e0_busy)
+        picks = [(await chat(http, two.url, f"short {i}")).headers["x-kvroute-backend"] for i in range(6)]
+        # Without the shared view, least_load would see two idle backends and use both.
+        assert picks == ["e1"] * 6
+        assert all(r.status == 200 for r in await long_requests)
+
+
+async def test_a_replica_that_dies_stops_counting():
+    with redis_server() as server:
+        config = RedisConfig(url=server.url, load_interval_s=0.05, load_ttl_s=0.5)
+        backends = [BackendConfig(name="e0", url="http://127.0.0.1:1")]
+        links = [
+            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
+        ]
+        dead_pool, live_pool = BackendPool(backends), BackendPool(backends)
+        dead, live = SharedLoad(links[0], dead_pool), SharedLoad(links[1], live_pool)
+        dead_pool["e0"].in_flight = 4
+        await dead.sync_once()
+        await live.sync_once()
+        assert live_pool["e0"].remote_in_flight == 4
+        assert live_pool["e0"].view(0, 0).in_flight == 4
+        # ``dead`` never publishes again and never withdraws (a crash): within load_ttl_s it is gone.
+        live.start()
+
+        async def forgotten() -> bool:
+            return live_pool["e0"].remote_in_flight == 0
+
+        await eventually(forgotten, timeout=3)
+        assert server.client().hlen("{kvroute}:load") == 1  # the dead replica's field was deleted
+        await live.close()
+        assert server.client().hlen("{kvroute}:load") == 0  # a clean stop withdraws at once
+        for link in links:
+            await link.close()
+
+
+async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view():
+    with redis_server() as server:
+        config = RedisConfig(url=server.url)
+        backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
+        links = [
+            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
+        ]
+        pool_one, pool_two = BackendPool(backends), BackendPool(backends)
+        one, two = SharedLoad(links[0], pool_one), SharedLoad(links[1], pool_two)
+        pool_one["e0"].in_flight, pool_one["e1"].in_flight = 2, 5
+        await one.sync_once()
+        await two.sync_once()
+        assert (pool_two["e0"].remote_in_flight, pool_two["e1"].remote_in_flight) == (2, 5)
+        pool_one.remove("e1")  # discovery saw it go; its requests there no longer count
+        await one.sync_once()
+        await two.sync_once()
+        assert (pool_two["e0"].remote_in_flight, pool_two["e1"].remote_in_flight) == (2, 0)
+        for link in links:
+            await link.close()

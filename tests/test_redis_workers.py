@@ -1,0 +1,124 @@
+"""``kvroute serve --workers N``: several processes on one port, sharing Redis; and the refusal."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import aiohttp
+import yaml
+
+from router.config import config_from_dict
+from router.workers import refusal
+from tests.conftest import backends_of, eventually
+from tests.redis_servers import free_port, redis_server
+
+MODEL = "sim-model"
+
+
+def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "backends": backends,
+                "index": index,
+                "routing": {},
+            }
+        )
+    )
+    return path
+
+
+def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
+    """``kvroute ARGS``; its output piped (read it with communicate), or appended to ``log``."""
+    if log is None:
+        return subprocess.Popen(
+            [sys.executable, "-m", "router.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+        )
+    with log.open("ab") as out:
+        return subprocess.Popen([sys.executable, "-m", "router.cli", *args], stdout=out, stderr=out)
+
+
+def test_workers_with_the_memory_store_are_refused(tmp_path):
+    config = write_config(tmp_path / "c.yaml", free_port(), [{"name": "a", "url": "http://127.0.0.1:1"}], {})
+    process = kvroute("serve", "--config", str(config), "--workers", "2")
+    _, err = process.communicate(timeout=30)
+    assert process.returncode == 2
+    assert b"--workers 2 needs index.store: redis" in err
+
+
+def test_workers_refuse_what_they_cannot_serve():
+    def config(**sections):
+        backends = [{"name": "a", "url": "http://127.0.0.1:1"}]
+        return config_from_dict({"backends": backends, **sections})
+
+    redis = {"store": "redis", "redis": {"url": "redis://127.0.0.1:1/0"}}
+    listen = {"host": "127.0.0.1", "port": 8080}
+    assert refusal(config(listen=listen), 1) is None
+    assert refusal(config(listen=listen, index=redis), 4) is None
+    assert "needs index.store: redis" in refusal(config(listen=listen), 4)
+    assert "fixed listen.port" in refusal(config(listen={"port": 0}, index=redis), 4)
+    admin = {"listen": {"host": "127.0.0.1", "port": 9090}}
+    assert "admin.listen" in refusal(config(listen=listen, index=redis, admin=admin), 4)
+    assert "positive" in refusal(config(listen=listen), 0)
+
+
+async def test_workers_share_one_port_and_redis(tmp_path, fleet):
+    with redis_server() as server:
+        port = free_port()
+        index = {"store": "redis", "redis": {"url": server.url, "load_interval_s": 0.05}}
+        config = write_config(tmp_path / "c.yaml", port, backends_of(fleet), index)
+        log = tmp_path / "kvroute.log"
+        process = kvroute("serve", "--config", str(config), "--workers", "2", log=log)
+        try:
+            replicas = server.client()
+
+            async def both_workers_publish() -> bool:
+                return replicas.zcard("{kvroute}:replicas") == 2
+
+            await eventually(both_workers_publish, timeout=30)
+            body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 200}], "max_tokens": 2}
+            url = f"http://127.0.0.1:{port}/v1/chat/completions"
+
+            async def post() -> aiohttp.ClientResponse:
+                # A new connection each time: the kernel spreads connections, not requests.
+                async with aiohttp.ClientSession() as http, http.post(url, json=body) as resp:
+                    await resp.read()
+                    return resp
+
+            first = await post()
+            assert first.status == 200
+            backend = first.headers["x-kvroute-backend"]
+
+            async def recorded() -> bool:
+                return replicas.zcard(f"{{kvroute}}:blocks:{backend}") > 0
+
+            await eventually(recorded)
+            # Whichever worker takes the connection finds the prefix in the shared index.
+            for _ in range(10):
+                resp = await post()
+                assert resp.status == 200
+                assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
+                    backend,
+                    "prefix_hit",
+                )
+
+            # SIGHUP reaches every worker: each re-reads the file (here refusing a broken one).
+            config.write_text("listen: [not, a, mapping]\n")
+            process.send_signal(signal.SIGHUP)
+
+            async def both_refused() -> bool:
+                return log.read_text().count("config reload from") == 2
+
+            await eventually(both_refused, timeout=10)
+            assert process.poll() is None
+        finally:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(process.wait, 40)
+        assert process.returncode == 0
+        # Both workers stopped cleanly: they withdrew their load entries.
+        assert server.client().zcard("{kvroute}:replicas") == 0
