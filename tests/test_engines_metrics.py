@@ -1,0 +1,161 @@
+"""Engine adapters against /metrics text in each engine's real format, and the load loop.
+
+The fixture texts in tests/engine_metrics/ follow the engines' own names, label sets and
+exposition (vLLM 0.33.0 with two data-parallel engines and 0.9.2's older KV usage name,
+SGLang 0.5.23 with two DP ranks and repeated TP ranks, and 0.4.7's smaller label set).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from aiohttp import web
+
+from loadtest.sim.fleet import SimFleet
+from router.engines import ADAPTERS, EngineStats
+from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.fault_engine import MODEL, backends, start_engines
+
+FIXTURES = Path(__file__).parent / "engine_metrics"
+
+
+def parse(engine: str, fixture: str) -> EngineStats:
+    return ADAPTERS[engine].parse((FIXTURES / fixture).read_text())
+
+
+def test_vllm_current_sums_data_parallel_engines():
+    stats = parse("vllm", "vllm_0.33.0_dp2.txt")
+    # Queues add up over engines; waiting_by_reason (a longer name) is not mistaken for waiting.
+    assert (stats.waiting, stats.running) == (3, 12)
+    assert stats.kv_usage == pytest.approx(0.375)
+    assert stats.block_tokens == 16
+    assert stats.capacity_tokens == (27000 + 26000) * 16
+
+
+def test_vllm_before_0_12_reads_gpu_cache_usage_and_unprofiled_geometry():
+    stats = parse("vllm", "vllm_0.9.2.txt")
+    assert (stats.waiting, stats.running, stats.kv_usage) == (9, 4, 0.875)
+    # num_gpu_blocks="None": the engine has not profiled memory yet; no capacity is made up.
+    assert (stats.block_tokens, stats.capacity_tokens) == (16, None)
+
+
+def test_sglang_current_counts_each_dp_rank_once_across_tp_ranks():
+    stats = parse("sglang", "sglang_0.5.23_dp2.txt")
+    assert (stats.waiting, stats.running) == (3, 22)
+    assert stats.kv_usage == pytest.approx(0.4)
+    assert (stats.capacity_tokens, stats.block_tokens) == (400000, 64)
+
+
+def test_sglang_0_4_derives_capacity_from_used_tokens_and_usage():
+    stats = parse("sglang", "sglang_0.4.7.txt")
+    assert (stats.waiting, stats.running, stats.kv_usage) == (4, 6, 0.25)
+    assert (stats.capacity_tokens, stats.block_tokens) == (400000, None)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_the_other_engines_text_yields_nothing(engine):
+    other = "sglang_0.5.23_dp2.txt" if engine == "vllm" else "vllm_0.33.0_dp2.txt"
+    assert parse(engine, other) == EngineStats()
+
+
+def test_malformed_text_is_an_error():
+    with pytest.raises(ValueError):
+        ADAPTERS["vllm"].parse('vllm:num_requests_running{engine="0" 3\n')
+
+
+async def _serve_text(texts: dict[str, str]) -> tuple[web.AppRunner, str]:
+    """A stand-in engine whose /metrics is ``texts["metrics"]`` (mutable), /health always 200."""
+
+    async def metrics(_request: web.Request) -> web.Response:
+        if texts["metrics"] is None:
+            return web.Response(status=500)
+        return web.Response(text=texts["metrics"], content_type="text/plain")
+
+    async def health(_request: web.Request) -> web.Response:
+        return web.json_response({})
+
+    app = web.Application()
+    app.add_routes([web.get("/metrics", metrics), web.get("/health", health)])
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
+async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router, http):
+    texts = {"metrics": (FIXTURES / "sglang_0.5.23_dp2.txt").read_text()}
+    runner, url = await _serve_text(texts)
+    try:
+        router = await make_router(
+            [{"name": "sg", "url": url, "engine": "sglang", "models": ["m"]}],
+            engine_metrics={"interval_s": 0.05, "stale_after_s": 0.3},
+        )
+
+        async def backend() -> dict:
+            async with http.get(f"{router.url}/admin/backends") as resp:
+                return (await resp.json())["backends"][0]
+
+        first = await backend()
+        assert (first["engine_waiting"], first["engine_running"]) == (3, 22)
+        assert first["engine_capacity_tokens"] == 400000
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_backend_engine_running", backend="sg") == 22
+        assert total(samples, "kvroute_backend_kv_usage", backend="sg") == pytest.approx(0.4)
+
+        # The engine stops answering /metrics: its numbers go stale and are shown as unknown.
+        texts["metrics"] = None
+
+        async def stale() -> bool:
+            return (await backend())["engine_waiting"] is None
+
+        await eventually(stale)
+        samples = await scrape(http, router.url)
+        assert not any(name == "kvroute_backend_engine_running" for name, _ in samples)
+        assert total(samples, "kvroute_backend_scrape_errors_total", backend="sg") >= 1
+    finally:
+        await runner.cleanup()
+
+
+async def test_simulated_vllm_engines_are_scraped_with_their_cache_geometry(make_router, http):
+    async with SimFleet(2, timing=FAST) as fleet:
+        router = await make_router(backends_of(fleet))
+        async with http.get(f"{router.url}/admin/backends") as resp:
+            listed = (await resp.json())["backends"]
+        expected = FAST.kv_blocks * FAST.block_tokens
+        assert [b["engine_capacity_tokens"] for b in listed] == [expected, expected]
+        assert all(b["engine_waiting"] == 0 and b["kv_usage"] == 0 for b in listed)
+
+
+async def test_policies_weigh_the_engines_queues(make_router, http):
+    """Traffic from elsewhere fills f0's queue; the router sees it only through /metrics."""
+    f0, f1 = await start_engines("ok", "ok")
+    try:
+        f0.metrics_text = _vllm_load(waiting=40, running=8)
+        f1.metrics_text = _vllm_load(waiting=0, running=1)
+        router = await make_router(backends([f0, f1]), routing={"policy": "least_load"})
+        body = {"model": MODEL, "prompt": "hello", "max_tokens": 2}
+        for _ in range(6):
+            async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200
+        assert (f0.received, f1.received) == (0, 6)
+    finally:
+        for engine in (f0, f1):
+            await engine.stop()
+
+
+def _vllm_load(waiting: int, running: int) -> str:
+    labels = 'model_name="fault-model",engine="0"'
+    return (
+        "# TYPE vllm:num_requests_waiting gauge\n"
+        f"vllm:num_requests_waiting{{{labels}}} {waiting}.0\n"
+        "# TYPE vllm:num_requests_running gauge\n"
+        f"vllm:num_requests_running{{{labels}}} {running}.0\n"
+    )
+
+
+def test_a_nan_gauge_is_unknown_not_an_error():
+    text = (FIXTURES / "vllm_0.9.2.txt").read_text().replace("} 0.875", "} NaN")
+    stats = ADAPTERS["vllm"].parse(text)
+    assert (stats.running, stats.kv_usage) == (4, None)

@@ -1,0 +1,185 @@
+"""Failover: before the first byte a failed backend is replaced; after it, the client gets a
+clean error and nothing is retried. In-flight counts return to zero on every path."""
+
+from __future__ import annotations
+
+import json
+
+import aiohttp
+import pytest
+
+from loadtest.sim.fleet import SimFleet
+from loadtest.sim.timing import EngineTiming
+from tests.conftest import backends_of, eventually, scrape, total
+from tests.fault_engine import MODEL, FaultEngine, backends, start_engines
+
+ROUND_ROBIN = {"policy": "round_robin"}
+
+
+@pytest.fixture
+async def engines():
+    started: list[FaultEngine] = []
+
+    async def make(*modes: str) -> list[FaultEngine]:
+        started.extend(await start_engines(*modes))
+        return started
+
+    yield make
+    for engine in started:
+        engine.release.set()
+        await engine.stop()
+
+
+async def post(http: aiohttp.ClientSession, router, stream: bool) -> tuple[int, dict, bytes]:
+    body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": stream}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        return resp.status, dict(resp.headers), await resp.read()
+
+
+async def assert_released(http: aiohttp.ClientSession, router, engines: list[FaultEngine]) -> None:
+    async def released() -> bool:
+        samples = await scrape(http, router.url)
+        return total(samples, "kvroute_backend_in_flight") == 0 and all(e.open == 0 for e in engines)
+
+    await eventually(released)
+
+
+@pytest.mark.parametrize("stream", [True, False])
+async def test_hanging_backend_times_out_before_first_byte_and_is_retried(engines, make_router, http, stream):
+    f0, f1 = await engines("hang", "ok")
+    router = await make_router(
+        backends([f0, f1]), routing=ROUND_ROBIN, upstream={"first_byte_timeout_s": 0.3}
+    )
+
+    status, headers, body = await post(http, router, stream)
+
+    assert status == 200 and headers["x-kvroute-backend"] == "f1"
+    assert (f0.received, f1.received) == (1, 1)
+    if stream:
+        assert body.endswith(b"data: [DONE]\n\n")
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_upstream_errors_total", backend="f0", kind="first_byte_timeout") == 1
+    assert total(samples, "kvroute_retries_total") == 1
+    # The hung request was abandoned upstream too: the engine's handler saw the connection close.
+    await assert_released(http, router, [f0, f1])
+
+
+@pytest.mark.parametrize("status", [502, 503, 504])
+async def test_unavailable_statuses_before_first_byte_are_retried(engines, make_router, http, status):
+    f0, f1 = await engines("status", "ok")
+    f0.status = status
+    router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
+
+    answered, headers, _ = await post(http, router, stream=True)
+
+    assert answered == 200 and headers["x-kvroute-backend"] == "f1"
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_upstream_errors_total", backend="f0", kind=f"http_{status}") == 1
+    await assert_released(http, router, [f0, f1])
+
+
+@pytest.mark.parametrize("status", [400, 404, 422, 429, 500])
+async def test_client_errors_and_500_pass_through_unretried(engines, make_router, http, status):
+    f0, f1 = await engines("status", "ok")
+    f0.status = status
+    router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
+
+    answered, headers, body = await post(http, router, stream=True)
+
+    assert answered == status and headers["x-kvroute-backend"] == "f0"
+    assert json.loads(body)["error"]["message"] == f"f0 says {status}"
+    assert f1.received == 0
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_retries_total") == 0
+
+
+async def test_backend_killed_mid_stream_ends_with_an_sse_error_and_no_retry(engines, make_router, http):
+    f0, f1 = await engines("die_mid_stream", "ok")
+    router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
+
+    status, headers, body = await post(http, router, stream=True)
+
+    assert status == 200 and headers["x-kvroute-backend"] == "f0"
+    events = [line.removeprefix(b"data: ") for line in body.split(b"\n\n") if line]
+    assert len(events) == f0.chunks + 1
+    assert json.loads(events[-1])["error"]["code"] == "upstream_stream_error"
+    assert f1.received == 0
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_upstream_errors_total", backend="f0", kind="disconnect") == 1
+    assert total(samples, "kvroute_requests_total", backend="f0", status="stream_error") == 1
+    assert total(samples, "kvroute_retries_total") == 0
+    await assert_released(http, router, [f0, f1])
+
+
+async def test_idle_stream_times_out_with_an_sse_error(engines, make_router, http):
+    (f0,) = await engines("stall_mid_stream")
+    router = await make_router(backends([f0]), upstream={"read_timeout_s": 0.3})
+
+    status, _, body = await post(http, router, stream=True)
+
+    assert status == 200
+    assert b'"code":"upstream_stream_error"' in body
+    assert b"[DONE]" not in body
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_upstream_errors_total", backend="f0", kind="timeout") == 1
+    await assert_released(http, router, [f0])
+
+
+async def test_attempts_are_bounded(engines, make_router, http):
+    fleet = await engines("status", "status", "status")
+    router = await make_router(backends(fleet), routing=ROUND_ROBIN, upstream={"max_attempts": 2})
+
+    status, _, body = await post(http, router, stream=False)
+
+    assert status == 502
+    assert json.loads(body)["error"]["code"] == "upstream_unavailable"
+    assert sum(e.received for e in fleet) == 2
+    await assert_released(http, router, fleet)
+
+
+async def test_total_deadline_cuts_the_attempts_short(engines, make_router, http):
+    fleet = await engines("hang", "hang")
+    upstream = {"max_attempts": 3, "first_byte_timeout_s": 30, "retry_deadline_s": 0.4}
+    router = await make_router(backends(fleet), routing=ROUND_ROBIN, upstream=upstream)
+
+    status, _, body = await post(http, router, stream=True)
+
+    # The first attempt's wait was cut at the deadline, and no attempt started after it.
+    assert status == 504
+    assert json.loads(body)["error"]["code"] == "upstream_timeout"
+    assert [e.received for e in fleet] == [1, 0]
+    await assert_released(http, router, fleet)
+
+
+async def test_simulated_engine_killed_mid_stream_then_routed_around(make_router, http):
+    slow = EngineTiming(prefill_base_s=0.001, prefill_per_token_s=0.000005, decode_step_s=0.01)
+    async with SimFleet(2, timing=slow) as fleet:
+        router = await make_router(
+            backends_of(fleet), routing=ROUND_ROBIN, health={"interval_s": 0.05, "unhealthy_after": 1}
+        )
+        body = {"model": "sim-model", "prompt": "tell me a long story", "max_tokens": 500, "stream": True}
+        async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+            assert resp.headers["x-kvroute-backend"] == "e0"
+            received = await resp.content.readany()
+            await fleet.engines[0].stop()
+            received += await resp.content.read()
+        assert b'"code":"upstream_stream_error"' in received
+        assert b"[DONE]" not in received
+        assert fleet.engines[1].stats()["received"] == 0
+
+        # Connection refused before any byte: retried at once, and the dead engine leaves rotation.
+        body["max_tokens"] = 2
+        for _ in range(3):
+            async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "e1"
+                await resp.read()
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_backend_in_flight") == 0
+        assert total(samples, "kvroute_upstream_errors_total", backend="e0", kind="disconnect") == 1
+
+        async def e0_out() -> bool:
+            async with http.get(f"{router.url}/admin/backends") as resp:
+                states = {b["name"]: b["state"] for b in (await resp.json())["backends"]}
+            return states == {"e0": "unhealthy", "e1": "closed"}
+
+        await eventually(e0_out)
