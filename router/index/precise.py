@@ -1,0 +1,294 @@
+"""The precise index: what each engine holds, as its KV events say (``index.mode: events``).
+
+Engines report every block they store and evict (:mod:`router.kv_events`); this index applies
+those reports and nothing else is believed for long. Three ideas:
+
+* **The router's own keys.** A stored block is keyed by :func:`router.tokenize.block_keys` over
+  the event's ``token_ids``, chained from its parent block's key, so a request tokenized by the
+  router produces the same keys. Engine hashes are only *mapped* to those keys, per event
+  stream: no engine hash algorithm, seed or signedness is reproduced, and vLLM and SGLang
+  engines (of any version) share one index. A stored block whose parent hash the stream never
+  announced cannot be keyed (its prefix is unknown) and is counted as an orphan.
+* **Provisional entries.** Between a pick and the engine's events for it (queueing plus
+  prefill), :meth:`record` believes the backend holds the chain for ``provisional_ttl_s``; an
+  event about the block (stored or removed) replaces the belief with the truth at once.
+* **Media.** A block can live on the GPU, or in a CPU or disk tier (an offloading connector
+  such as LMCache). A match is worth its tier's weight per block (``medium_weights``), so a
+  GPU-resident prefix beats an equally long one that must be loaded back first.
+
+One engine (a backend) may publish several streams, one per data-parallel rank; a backend
+holds a block when any of its streams does.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from functools import lru_cache
+
+import xxhash
+
+from router.index.base import PrefixIndex
+from router.kv_events.decode import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from router.tokenize import ROOT_KEY, block_keys, namespace_seed
+
+#: Storage tiers a match can be weighted by, and the engines' medium names for them.
+TIERS = ("gpu", "cpu", "disk")
+_MEDIUM_TIERS = {
+    "GPU": "gpu",
+    "CPU": "cpu",
+    "CPU_PINNED": "cpu",
+    "STORAGE": "disk",
+    "DISK": "disk",
+    "EXTERNAL": "disk",
+}
+
+
+@lru_cache(maxsize=64)
+def tier_of(medium: str | None) -> str:
+    """The tier of an event's medium: no medium is the GPU pool; unknown media count as disk."""
+    if medium is None:
+        return "gpu"
+    return _MEDIUM_TIERS.get(medium.upper(), "disk")
+
+
+#: Worth of a matched block per tier: loading from CPU or disk is cheaper than recomputing, not free.
+DEFAULT_MEDIUM_WEIGHTS = {"gpu": 1.0, "cpu": 0.5, "disk": 0.25}
+
+Source = tuple[str, int]
+
+
+@dataclass(slots=True)
+class _Entry:
+    """One engine block of one stream: its router key and the tiers holding it."""
+
+    key: int
+    tiers: set[str]
+
+
+@dataclass
+class PreciseStats:
+    """Counters of what the events could not tell; exported as metrics."""
+
+    #: Stored blocks whose parent the stream never announced (their prefix is unknown).
+    orphans: int = 0
+    #: Stored blocks whose block size differs from ``index.events.block_size``.
+    block_size_mismatches: int = 0
+    #: Removals of blocks the index did not hold (harmless: missed store, or before a resync).
+    unknown_removals: int = 0
+    #: Stored blocks refused because the index was at ``max_blocks``.
+    dropped: int = 0
+
+
+class PreciseIndex(PrefixIndex):
+    def __init__(
+        self,
+        block_size: int,
+        medium_weights: Mapping[str, float],
+        provisional_ttl_s: float,
+        max_blocks: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.block_size = block_size
+        self.weights = {tier: float(medium_weights.get(tier, DEFAULT_MEDIUM_WEIGHTS[tier])) for tier in TIERS}
+        self.provisional_ttl_s = provisional_ttl_s
+        self.max_blocks = max_blocks
+        self._clock = clock
+        self._backends: set[str] = set()
+        self._sources: dict[Source, dict[BlockHash, _Entry]] = {}
+        #: key -> backend -> tier -> number of stream entries holding it there.
+        self._holders: dict[int, dict[str, dict[str, int]]] = {}
+        self._held: dict[str, int] = {}
+        self._held_total = 0
+        #: backend -> key -> expiry of the provisional belief; ``_expiries`` orders them for purging.
+        self._provisional: dict[str, dict[int, float]] = {}
+        self._expiries: deque[tuple[float, str, int]] = deque()
+        self._provisional_count = 0
+        #: Blocks the engines reported evicted, since start (``kvroute_index_evictions``).
+        self.evictions = 0
+        self.stats = PreciseStats()
+
+    # -- the PrefixIndex interface -------------------------------------------------------------
+
+    def add_backend(self, name: str, capacity_blocks: int) -> None:
+        """Track ``name``; capacity is the engine's business here (its events report evictions)."""
+        self._backends.add(name)
+        self._held.setdefault(name, 0)
+        self._provisional.setdefault(name, {})
+
+    def remove_backend(self, name: str) -> None:
+        for source in [s for s in self._sources if s[0] == name]:
+            self.clear_source(name, source[1])
+            del self._sources[source]
+        self._provisional_count -= len(self._provisional.pop(name, {}))
+        self._held.pop(name, None)
+        self._backends.discard(name)
+
+    async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        return self.match_now(chain, backends)
+
+    def match_now(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
+        """Leading blocks of ``chain`` held by each backend, each worth its best tier's weight."""
+        now = self._clock()
+        depth = {name: 0.0 for name in backends}
+        alive = [name for name in depth if name in self._backends]
+        gpu = self.weights["gpu"]
+        for key in chain:
+            holders = self._holders.get(key)
+            still = []
+            for name in alive:
+                tiers = holders.get(name) if holders else None
+                if tiers:
+                    depth[name] += max(self.weights[t] for t in tiers)
+                elif self._provisional[name].get(key, 0.0) > now:
+                    depth[name] += gpu
+                else:
+                    continue
+                still.append(name)
+            alive = still
+            if not alive:
+                break
+        return {name: round(d) for name, d in depth.items()}
+
+    def record(self, backend: str, chain: Sequence[int]) -> None:
+        """Believe ``backend`` holds ``chain`` until its events say otherwise, or the TTL passes."""
+        provisional = self._provisional.get(backend)
+        if provisional is None:
+            return
+        now = self._clock()
+        self._purge(now)
+        expiry = now + self.provisional_ttl_s
+        holders = self._holders
+        for key in chain:
+            held = holders.get(key)
+            if held is not None and backend in held:
+                continue
+            if key not in provisional:
+                self._provisional_count += 1
+            provisional[key] = expiry
+            self._expiries.append((expiry, backend, key))
+
+    def blocks_of(self, backend: str) -> int:
+        return self._held.get(backend, 0)
+
+    def size(self) -> int:
+        return self._held_total + self._provisional_count
+
+    async def close(self) -> None:
+        """Nothing to release; the subscribers are stopped by their manager."""
+
+    # -- the event side ------------------------------------------------------------------------
+
+    def apply(self, backend: str, rank: int, batch: EventBatch) -> None:
+        """Apply one decoded batch of stream ``(backend, rank)``, in order."""
+        if backend not in self._backends:
+            return
+        entries = self._sources.setdefault((backend, rank), {})
+        for event in batch.events:
+            if isinstance(event, BlockStored):
+                self._stored(backend, entries, event)
+            elif isinstance(event, BlockRemoved):
+                self._removed(backend, entries, event)
+            elif isinstance(event, AllBlocksCleared):
+                self.clear_source(backend, rank)
+
+    def clear_source(self, backend: str, rank: int) -> None:
+        """Forget everything stream ``(backend, rank)`` reported (engine restart, AllBlocksCleared)."""
+        entries = self._sources.get((backend, rank))
+        if not entries:
+            return
+        for entry in entries.values():
+            for tier in entry.tiers:
+                self._unhold(backend, entry.key, tier)
+        entries.clear()
+
+    def engine_hashes(self, backend: str) -> set[BlockHash]:
+        """The engine hashes ``backend``'s streams report held: what its caches hold, if in sync."""
+        return {h for (name, _), entries in self._sources.items() if name == backend for h in entries}
+
+    def _stored(self, backend: str, entries: dict[BlockHash, _Entry], event: BlockStored) -> None:
+        hashes = event.block_hashes
+        if event.block_size != self.block_size:
+            self.stats.block_size_mismatches += len(hashes)
+            return
+        if event.parent_block_hash is None:
+            seed = ROOT_KEY
+        else:
+            parent = entries.get(event.parent_block_hash)
+            if parent is None:
+                self.stats.orphans += len(hashes)
+                return
+            seed = parent.key
+        keys = block_keys(event.token_ids, self.block_size, namespace_seed(seed, event.namespace))
+        # A trailing partial page (SGLang) has no full-block key; key it so no request matches it.
+        while len(keys) < len(hashes):
+            keys.append(xxhash.xxh3_64_intdigest(b"partial", seed=keys[-1] if keys else seed))
+        tier = tier_of(event.medium)
+        provisional = self._provisional[backend]
+        budget = self.max_blocks - self.size()
+        for block_hash, key in zip(hashes, keys, strict=False):
+            entry = entries.get(block_hash)
+            if entry is None:
+                if budget <= 0:
+                    self.stats.dropped += 1
+                    continue
+                budget -= 1
+                entry = entries[block_hash] = _Entry(key, {tier})
+                self._hold(backend, key, tier)
+            elif tier not in entry.tiers:
+                entry.tiers.add(tier)
+                self._hold(backend, entry.key, tier)
+            if provisional and provisional.pop(entry.key, None) is not None:
+                self._provisional_count -= 1
+
+    def _removed(self, backend: str, entries: dict[BlockHash, _Entry], event: BlockRemoved) -> None:
+        tier = tier_of(event.medium)
+        provisional = self._provisional[backend]
+        for block_hash in event.block_hashes:
+            entry = entries.get(block_hash)
+            if entry is None or tier not in entry.tiers:
+                self.stats.unknown_removals += 1
+                continue
+            entry.tiers.discard(tier)
+            self._unhold(backend, entry.key, tier)
+            if not entry.tiers:
+                del entries[block_hash]
+            if provisional and provisional.pop(entry.key, None) is not None:
+                self._provisional_count -= 1
+            self.evictions += 1
+
+    def _hold(self, backend: str, key: int, tier: str) -> None:
+        held = self._holders.get(key)
+        if held is None:
+            held = self._holders[key] = {}
+        tiers = held.get(backend)
+        if tiers is None:
+            tiers = held[backend] = {}
+            self._held[backend] += 1
+            self._held_total += 1
+        tiers[tier] = tiers.get(tier, 0) + 1
+
+    def _unhold(self, backend: str, key: int, tier: str) -> None:
+        held = self._holders[key]
+        tiers = held[backend]
+        tiers[tier] -= 1
+        if tiers[tier] == 0:
+            del tiers[tier]
+            if not tiers:
+                del held[backend]
+                self._held[backend] -= 1
+                self._held_total -= 1
+                if not held:
+                    del self._holders[key]
+
+    def _purge(self, now: float) -> None:
+        """Drop provisional beliefs whose time has passed (oldest first; stale queue items skipped)."""
+        expiries = self._expiries
+        while expiries and expiries[0][0] <= now:
+            expiry, backend, key = expiries.popleft()
+            provisional = self._provisional.get(backend)
+            if provisional is not None and provisional.get(key) == expiry:
+                del provisional[key]
+                self._provisional_count -= 1

@@ -1,0 +1,1 @@
+"""Precise mode's inputs: engines' KV cache event streams (decode, subscribe, find, configure)."""

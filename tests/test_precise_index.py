@@ -1,0 +1,154 @@
+"""The precise index's rules: router keys from event tokens, media weights, provisional beliefs."""
+
+from __future__ import annotations
+
+import pytest
+
+from router.index.precise import PreciseIndex, tier_of
+from router.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.tokenize import block_keys
+
+B = 4
+TOKENS = list(range(100, 116))  # four blocks of four tokens
+CHAIN = block_keys(TOKENS, B)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def make_index(clock: Clock | None = None, **weights: float) -> PreciseIndex:
+    index = PreciseIndex(B, weights, provisional_ttl_s=2.0, max_blocks=1000, clock=clock or Clock())
+    for name in ("a", "b"):
+        index.add_backend(name, 0)
+    return index
+
+
+def stored(hashes, parent, tokens, medium: str | None = "GPU", size: int = B, namespace=None) -> BlockStored:
+    return BlockStored(tuple(hashes), parent, tuple(tokens), size, medium, namespace)
+
+
+def batch(*events) -> EventBatch:
+    return EventBatch(0.0, tuple(events), 0)
+
+
+def test_keys_from_event_tokens_meet_the_requests_chain_across_events() -> None:
+    index = make_index()
+    # The engine's hashes are arbitrary (never reproduced); a later event chains through its parent.
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    index.apply("a", 0, batch(stored([903], 902, TOKENS[8:12])))
+    assert index.match_now(CHAIN, ["a", "b"]) == {"a": 3, "b": 0}
+    assert index.blocks_of("a") == 3
+
+
+def test_a_stored_block_whose_parent_is_unknown_is_an_orphan() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([903], 902, TOKENS[8:12])))
+    assert index.stats.orphans == 1
+    assert index.blocks_of("a") == 0
+
+
+def test_events_of_another_block_size_are_counted_not_applied() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([901], None, TOKENS[:8], size=8)))
+    assert index.stats.block_size_mismatches == 1
+    assert index.match_now(CHAIN, ["a"]) == {"a": 0}
+
+
+def test_namespaced_blocks_never_match_a_plain_request() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8], namespace="('lora',)")))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 0}
+    assert index.blocks_of("a") == 2
+
+
+def test_removal_stops_the_match_at_the_removed_block() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([901, 902, 903, 904], None, TOKENS)))
+    index.apply("a", 0, batch(BlockRemoved((903,), "GPU")))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 2}
+    assert index.evictions == 1
+    index.apply("a", 0, batch(BlockRemoved((999,), "GPU")))
+    assert index.stats.unknown_removals == 1
+
+
+def test_slower_tiers_are_worth_their_weight() -> None:
+    index = make_index(cpu=0.5)
+    index.apply("a", 0, batch(stored([901, 902, 903, 904], None, TOKENS, medium="GPU")))
+    index.apply("b", 0, batch(stored([801, 802, 803, 804], None, TOKENS, medium="CPU_PINNED")))
+    assert index.match_now(CHAIN, ["a", "b"]) == {"a": 4, "b": 2}
+
+
+def test_a_block_offloaded_then_evicted_from_gpu_still_counts_at_cpu_weight() -> None:
+    index = make_index(cpu=0.5)
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8], medium="GPU")))
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8], medium="CPU")))
+    index.apply("a", 0, batch(BlockRemoved((901, 902), "GPU")))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 1}
+    index.apply("a", 0, batch(BlockRemoved((901, 902), "CPU")))
+    assert index.blocks_of("a") == 0
+
+
+@pytest.mark.parametrize(
+    ("medium", "tier"),
+    [(None, "gpu"), ("GPU", "gpu"), ("CPU", "cpu"), ("cpu", "cpu"), ("CPU_PINNED", "cpu"),
+     ("STORAGE", "disk"), ("DISK", "disk"), ("EXTERNAL", "disk"), ("NVME", "disk")],
+)  # fmt: skip
+def test_engine_media_map_to_tiers(medium: str | None, tier: str) -> None:
+    assert tier_of(medium) == tier
+
+
+def test_provisional_beliefs_expire() -> None:
+    clock = Clock()
+    index = make_index(clock)
+    index.record("a", CHAIN[:2])
+    assert index.match_now(CHAIN, ["a"]) == {"a": 2}
+    clock.now += 2.5
+    assert index.match_now(CHAIN, ["a"]) == {"a": 0}
+    index.record("a", CHAIN[:1])  # purges the expired entries
+    assert index.size() == 1
+
+
+def test_events_replace_provisional_beliefs() -> None:
+    index = make_index()
+    index.record("a", CHAIN)
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    assert index.size() == 2 + 2  # two confirmed, two still provisional
+    index.apply("a", 0, batch(BlockRemoved((902,), "GPU")))
+    # The engine evicted block 2: neither the event nor the pick's belief keeps it.
+    assert index.match_now(CHAIN, ["a"]) == {"a": 1}
+
+
+def test_data_parallel_ranks_are_separate_streams_of_one_backend() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    index.apply("a", 1, batch(stored([501, 502], None, TOKENS[:8])))
+    index.apply("a", 0, batch(AllBlocksCleared()))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 2}
+    assert index.engine_hashes("a") == {501, 502}
+    index.clear_source("a", 1)
+    assert index.match_now(CHAIN, ["a"]) == {"a": 0}
+    assert index.size() == 0
+
+
+def test_removed_backends_are_forgotten_and_their_late_events_ignored() -> None:
+    index = make_index()
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    index.record("a", CHAIN)
+    index.remove_backend("a")
+    assert index.size() == 0
+    index.apply("a", 0, batch(stored([901], None, TOKENS[:4])))
+    assert index.size() == 0
+    assert index.match_now(CHAIN, ["a", "b"]) == {"a": 0, "b": 0}
+
+
+def test_the_memory_budget_refuses_new_blocks() -> None:
+    index = PreciseIndex(B, {}, provisional_ttl_s=2.0, max_blocks=2, clock=Clock())
+    index.add_backend("a", 0)
+    index.apply("a", 0, batch(stored([901, 902, 903], None, TOKENS[:12])))
+    assert index.blocks_of("a") == 2
+    assert index.stats.dropped == 1

@@ -1,0 +1,117 @@
+"""In precise mode the engines' events, not the router's own history, decide where a prompt goes."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import aiohttp
+import pytest
+
+from loadtest.sim.fleet import SimFleet
+from router.app import INDEX
+from router.index.precise import PreciseIndex
+from router.server import RouterServer
+from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
+
+EVENTS = {"mode": "events", "tokenizer": {"kind": "chunk"}}
+MESSAGES = [
+    {"role": "system", "content": "You are a careful assistant. " * 40},
+    {"role": "user", "content": [{"type": "text", "text": "Summarise "}, {"type": "text", "text": "this."}]},
+]
+
+
+@pytest.fixture
+async def pair() -> AsyncIterator[SimFleet]:
+    async with SimFleet(2, timing=FAST, kv_events="vllm") as fleet:
+        yield fleet
+
+
+async def chat(http: aiohttp.ClientSession, url: str) -> tuple[str | None, str | None, dict[str, Any]]:
+    body = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 2}
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200
+        payload = await resp.json()
+        return resp.headers.get("x-kvroute-backend"), resp.headers.get("x-kvroute-reason"), payload["usage"]
+
+
+async def started(http: aiohttp.ClientSession, router: RouterServer) -> PreciseIndex:
+    async def subscribed() -> bool:
+        samples = await scrape(http, router.url)
+        return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") == 2
+
+    await eventually(subscribed)
+    index = router.app[INDEX]
+    assert isinstance(index, PreciseIndex)
+    return index
+
+
+async def test_a_prompt_cached_behind_the_routers_back_is_routed_to_its_engine(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(backends_of(pair), index=EVENTS)
+    index = await started(http, router)
+    # e1 serves the conversation directly (another router, a batch job): this router never saw it.
+    await chat(http, pair.urls[1])
+
+    async def reported() -> bool:
+        return index.engine_hashes("e1") == pair.engines[1].cache.keys() != set()
+
+    await eventually(reported)
+    backend, reason, usage = await chat(http, router.url)
+    assert (backend, reason) == ("e1", "prefix_hit")
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_an_eviction_the_engine_reports_overrides_where_the_router_sent_the_prompt(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(backends_of(pair), index=EVENTS)
+    index = await started(http, router)
+    first, _, _ = await chat(http, router.url)
+    assert first is not None
+    other = "e1" if first == "e0" else "e0"
+    first_engine, other_engine = (pair.engines[int(name[1])] for name in (first, other))
+
+    # The engine that got the prompt drops its cache; the other one gets the prompt directly.
+    async with http.post(f"{first_engine.url}/reset_prefix_cache") as resp:
+        assert resp.status == 200
+    await chat(http, other_engine.url)
+
+    async def reported() -> bool:
+        return (
+            index.blocks_of(first) == 0 and index.engine_hashes(other) == other_engine.cache.keys() != set()
+        )
+
+    await eventually(reported)
+    backend, reason, usage = await chat(http, router.url)
+    assert (backend, reason) == (other, "prefix_hit")
+    assert usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_the_router_predicts_exactly_what_the_engine_reports_cached(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(backends_of(pair), index=EVENTS)
+    index = await started(http, router)
+    await chat(http, pair.urls[0])
+
+    async def reported() -> bool:
+        return index.engine_hashes("e0") == pair.engines[0].cache.keys() != set()
+
+    await eventually(reported)
+    body = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 2}
+    async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
+        predicted = int(resp.headers["x-kvroute-matched-tokens"])
+        usage = (await resp.json())["usage"]
+    assert predicted == usage["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_approximate_mode_stays_the_default_and_needs_no_tokenizer(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(backends_of(pair))
+    assert not isinstance(router.app[INDEX], PreciseIndex)
+    backend, _, _ = await chat(http, router.url)
+    assert backend in ("e0", "e1")
+    assert total(await scrape(http, router.url), "kvroute_kv_events_connected") == 0
