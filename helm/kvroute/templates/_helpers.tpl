@@ -1,0 +1,110 @@
+{{/* Names: <release>-kvroute unless the release name already contains the chart name. */}}
+{{- define "kvroute.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvroute.fullname" -}}
+{{- if .Values.fullnameOverride }}
+{{- .Values.fullnameOverride | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- $name := default .Chart.Name .Values.nameOverride }}
+{{- if contains $name .Release.Name }}
+{{- .Release.Name | trunc 63 | trimSuffix "-" }}
+{{- else }}
+{{- printf "%s-%s" .Release.Name $name | trunc 63 | trimSuffix "-" }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.redisName" -}}
+{{- printf "%s-redis" (include "kvroute.fullname" .) | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvroute.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
+{{- end }}
+
+{{- define "kvroute.commonLabels" -}}
+helm.sh/chart: {{ include "kvroute.chart" . }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+{{- end }}
+
+{{- define "kvroute.labels" -}}
+{{ include "kvroute.commonLabels" . }}
+{{ include "kvroute.selectorLabels" . }}
+{{- end }}
+
+{{- define "kvroute.redisLabels" -}}
+{{ include "kvroute.commonLabels" . }}
+{{ include "kvroute.redisSelectorLabels" . }}
+{{- end }}
+
+{{- define "kvroute.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: router
+{{- end }}
+
+{{- define "kvroute.redisSelectorLabels" -}}
+app.kubernetes.io/name: {{ include "kvroute.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/component: redis
+{{- end }}
+
+{{- define "kvroute.serviceAccountName" -}}
+{{- if .Values.discovery.kubernetes.enabled }}
+{{- default (include "kvroute.fullname" .) .Values.serviceAccount.name }}
+{{- else }}
+{{- default "default" .Values.serviceAccount.name }}
+{{- end }}
+{{- end }}
+
+{{- define "kvroute.image" -}}
+{{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+
+{{/*
+The router's configuration file, built from .Values.config (the same keys as
+config.example.yaml). The chart owns `listen` (the container port and the SIGTERM drain),
+`discovery` when discovery.kubernetes is enabled (`backends` is dropped then), and with
+redis.enabled the index store and its connection; everything else is the user's.
+*/}}
+{{- define "kvroute.config" -}}
+{{- $config := deepCopy .Values.config }}
+{{- $listen := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) "drain_timeout_s" (int .Values.termination.shutdownSeconds) }}
+{{- $_ := set $config "listen" $listen }}
+{{- if .Values.discovery.kubernetes.enabled }}
+{{- $_ := unset $config "backends" }}
+{{- $_ := set $config "discovery" (dict "kind" "kubernetes" "kubernetes" (deepCopy .Values.discovery.kubernetes.settings)) }}
+{{- end }}
+{{- if .Values.redis.enabled }}
+{{- $index := $config.index | default dict }}
+{{- $redis := $index.redis | default dict }}
+{{- $_ := set $redis "url" (include "kvroute.redisUrl" .) }}
+{{- if eq (include "kvroute.redisPasswordSecret" .) "true" }}
+{{- $_ := set $redis "password_env" "KVROUTE_REDIS_PASSWORD" }}
+{{- end }}
+{{- $_ := set $index "redis" $redis }}
+{{- $_ := set $index "store" "redis" }}
+{{- $_ := set $config "index" $index }}
+{{- end }}
+{{- toYaml $config }}
+{{- end }}
+
+{{- define "kvroute.discoveryNamespace" -}}
+{{- .Values.discovery.kubernetes.settings.namespace | default .Release.Namespace }}
+{{- end }}
+
+{{- define "kvroute.redisUrl" -}}
+{{- if eq .Values.redis.mode "builtin" }}
+{{- printf "redis://%s.%s.svc:6379/0" (include "kvroute.redisName" .) .Release.Namespace }}
+{{- else }}
+{{- required "redis.external.url is required when redis.mode is external" .Values.redis.external.url }}
+{{- end }}
+{{- end }}
+
+{{/* "true" when the router reads the Redis password from an existing Secret. */}}
+{{- define "kvroute.redisPasswordSecret" -}}
+{{- and .Values.redis.enabled (eq .Values.redis.mode "external") (ne .Values.redis.external.existingSecret "") }}
+{{- end }}

@@ -1,0 +1,315 @@
+"""The Helm chart, checked by Helm's own Go engine (helm-python-sdk), the Kubernetes schemas
+(kubernetes-validate) and kvroute's own config loader, with no cluster.
+
+Each values set below is linted strictly, rendered, every manifest validated against the
+schemas of the oldest Kubernetes the chart supports and of the newest one known, and the
+rendered router config loaded with ``router.config.config_from_dict``: chart and program
+cannot drift apart without a test failing.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import helm_python as helm
+import kubernetes_validate
+import pytest
+import yaml
+
+from router.config import Config, config_from_dict
+
+CHART = Path(__file__).resolve().parent.parent / "helm" / "kvroute"
+RELEASE, NAMESPACE = "demo", "llm"
+FULLNAME = f"{RELEASE}-kvroute"
+#: Oldest (Chart.yaml kubeVersion) and newest Kubernetes whose schemas the manifests must meet.
+KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
+
+VALUES_SETS: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "external_redis": {
+        "env": [
+            {"name": "KVROUTE_ADMIN_KEY", "valueFrom": {"secretKeyRef": {"name": "kv-admin", "key": "key"}}}
+        ],
+        "redis": {
+            "enabled": True,
+            "mode": "external",
+            "external": {"url": "rediss://redis.example.internal:6380/2", "existingSecret": "kv-redis"},
+        },
+        "config": {
+            "backends": [{"name": "a", "url": "http://a:8000"}],
+            "index": {"redis": {"namespace": "team-a", "timeout_ms": 3}},
+        },
+    },
+    "builtin_redis_persistent_netpol": {
+        "redis": {"enabled": True, "builtin": {"persistence": {"enabled": True, "size": "2Gi"}}},
+        "networkPolicy": {
+            "enabled": True,
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        },
+    },
+    "network_policy_restricted": {
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        }
+    },
+    "kubernetes_discovery": {
+        "discovery": {
+            "kubernetes": {"enabled": True, "settings": {"label_selector": "app=vllm", "port": 8001}}
+        }
+    },
+    "kubernetes_discovery_other_namespace": {
+        "discovery": {
+            "kubernetes": {"enabled": True, "settings": {"label_selector": "app=sgl", "namespace": "gpu"}}
+        }
+    },
+    "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6}},
+    "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
+    "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
+}
+
+
+def render(values: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every Kubernetes object the chart renders for ``values`` (NOTES.txt excluded)."""
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return [
+        doc
+        for path, text in sorted(manifests.items())
+        if path.endswith((".yaml", ".yml"))
+        for doc in yaml.safe_load_all(text)
+        if doc
+    ]
+
+
+def find(objects: list[dict[str, Any]], kind: str, name: str = FULLNAME) -> dict[str, Any]:
+    matches = [o for o in objects if o["kind"] == kind and o["metadata"]["name"] == name]
+    assert len(matches) == 1, f"expected one {kind} {name}, found {len(matches)}"
+    return matches[0]
+
+
+def kinds(objects: list[dict[str, Any]]) -> set[str]:
+    return {o["kind"] for o in objects}
+
+
+def router_config(objects: list[dict[str, Any]]) -> Config:
+    return config_from_dict(yaml.safe_load(find(objects, "ConfigMap")["data"]["config.yaml"]))
+
+
+def pod_spec(objects: list[dict[str, Any]]) -> dict[str, Any]:
+    return find(objects, "Deployment")["spec"]["template"]["spec"]
+
+
+def containers(objects: list[dict[str, Any]]) -> Iterator[dict[str, Any]]:
+    for o in objects:
+        if o["kind"] in ("Deployment", "StatefulSet"):
+            yield from o["spec"]["template"]["spec"]["containers"]
+
+
+@pytest.mark.parametrize("values", VALUES_SETS.values(), ids=VALUES_SETS.keys())
+def test_lint_strict_is_clean(values):
+    report = helm.lint(CHART, values, strict=True, namespace=NAMESPACE)
+    # Severity 1 is information ("icon is recommended": the project publishes no icon).
+    assert report["errors"] == [] and [m for m in report["messages"] if m["severity"] > 1] == [], report
+
+
+@pytest.mark.parametrize("values", VALUES_SETS.values(), ids=VALUES_SETS.keys())
+def test_manifests_meet_kubernetes_schemas(values):
+    objects = render(values)
+    for obj in objects:
+        if obj["kind"] == "ServiceMonitor":
+            continue  # a CRD: no schema in kubernetes-validate; checked by the ServiceMonitor test
+        for version in KUBE_VERSIONS:
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("values", VALUES_SETS.values(), ids=VALUES_SETS.keys())
+def test_rendered_config_is_accepted_by_the_router_loader(values):
+    objects = render(values)
+    config = router_config(objects)
+    service = find(objects, "Service")
+    container = pod_spec(objects)["containers"][0]
+    assert config.listen.host == "0.0.0.0"
+    assert config.listen.port == container["ports"][0]["containerPort"]
+    assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
+
+
+def test_defaults_memory_index_no_api_access_no_redis():
+    objects = render({})
+    config = router_config(objects)
+    assert config.index.store == "memory"
+    assert [b.name for b in config.backends] == ["vllm-0", "vllm-1"]
+    assert not kinds(objects) & {"ServiceAccount", "Role", "RoleBinding", "StatefulSet", "ServiceMonitor"}
+    spec = pod_spec(objects)
+    assert spec["automountServiceAccountToken"] is False
+    assert find(objects, "Deployment")["spec"]["replicas"] == 2
+
+
+def test_deployment_probes_drain_and_runs_unprivileged():
+    objects = render({})
+    spec = pod_spec(objects)
+    container = spec["containers"][0]
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    drain = container["lifecycle"]["preStop"]["sleep"]["seconds"]
+    # After the drain, SIGTERM: the router gives running responses listen.drain_timeout_s.
+    shutdown = router_config(objects).listen.drain_timeout_s
+    assert drain > 0 and spec["terminationGracePeriodSeconds"] > drain + shutdown
+    long_streams = render({"termination": {"drainSeconds": 3, "shutdownSeconds": 600}})
+    assert router_config(long_streams).listen.drain_timeout_s == 600
+    assert pod_spec(long_streams)["terminationGracePeriodSeconds"] > 603
+    assert spec["securityContext"]["runAsNonRoot"] is True
+    for c in containers(render(VALUES_SETS["builtin_redis_persistent_netpol"])):
+        assert c["securityContext"]["allowPrivilegeEscalation"] is False
+        assert c["securityContext"]["readOnlyRootFilesystem"] is True
+
+
+def test_config_change_rolls_the_pods():
+    def checksum(values: dict[str, Any]) -> str:
+        return find(render(values), "Deployment")["spec"]["template"]["metadata"]["annotations"][
+            "checksum/config"
+        ]
+
+    with helm.Chart.load(CHART) as chart:
+        config = chart.values["config"]
+    assert checksum({}) == checksum({})
+    assert checksum({}) != checksum({"config": {**config, "log_level": "debug"}})
+
+
+def test_external_redis_reads_password_from_existing_secret():
+    objects = render(VALUES_SETS["external_redis"])
+    config = router_config(objects)
+    assert config.index.store == "redis"
+    redis = config.index.redis_config
+    assert redis.url == "rediss://redis.example.internal:6380/2"
+    assert redis.namespace == "team-a" and redis.timeout_ms == 3  # the user's own keys are kept
+    env = {e["name"]: e for e in pod_spec(objects)["containers"][0]["env"]}
+    assert env[redis.password_env]["valueFrom"]["secretKeyRef"] == {"name": "kv-redis", "key": "password"}
+    assert "KVROUTE_ADMIN_KEY" in env  # the user's own variables sit beside it
+    assert "StatefulSet" not in kinds(objects)
+
+
+def test_builtin_redis_is_a_small_statefulset_reached_by_its_service():
+    ephemeral = render({"redis": {"enabled": True}})
+    statefulset = find(ephemeral, "StatefulSet", f"{FULLNAME}-redis")
+    assert "volumeClaimTemplates" not in statefulset["spec"]
+    assert statefulset["spec"]["replicas"] == 1
+    args = statefulset["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert args[args.index("--appendonly") + 1] == "no"
+    service = find(ephemeral, "Service", f"{FULLNAME}-redis")
+    assert service["spec"]["selector"] == statefulset["spec"]["template"]["metadata"]["labels"]
+    redis = router_config(ephemeral).index.redis_config
+    assert redis.url == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
+    assert redis.password_env is None
+
+    persistent = render(VALUES_SETS["builtin_redis_persistent_netpol"])
+    claims = find(persistent, "StatefulSet", f"{FULLNAME}-redis")["spec"]["volumeClaimTemplates"]
+    assert claims[0]["spec"]["resources"]["requests"]["storage"] == "2Gi"
+    policy = find(persistent, "NetworkPolicy", f"{FULLNAME}-redis")
+    router_labels = find(persistent, "Deployment")["spec"]["selector"]["matchLabels"]
+    assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == router_labels
+
+
+def test_network_policy_lets_callers_and_prometheus_in():
+    anyone = find(render(VALUES_SETS["builtin_redis_persistent_netpol"]), "NetworkPolicy")
+    assert "from" not in anyone["spec"]["ingress"][0]  # metricsFrom alone restricts nobody
+    values = VALUES_SETS["network_policy_restricted"]
+    restricted = find(render(values), "NetworkPolicy")
+    policy = values["networkPolicy"]
+    assert restricted["spec"]["ingress"][0]["from"] == policy["ingressFrom"] + policy["metricsFrom"]
+
+
+def test_kubernetes_discovery_replaces_the_static_list_with_its_own_read_only_account():
+    objects = render(VALUES_SETS["kubernetes_discovery"])
+    config = router_config(objects)
+    assert config.backends == ()
+    assert config.discovery.kind == "kubernetes"
+    settings = config.discovery.kubernetes_config
+    assert (settings.label_selector, settings.port, settings.namespace) == ("app=vllm", 8001, "")
+    account = find(objects, "ServiceAccount")
+    role = find(objects, "Role")
+    binding = find(objects, "RoleBinding")
+    assert pod_spec(objects)["serviceAccountName"] == account["metadata"]["name"]
+    assert pod_spec(objects)["automountServiceAccountToken"] is True
+    assert role["metadata"]["namespace"] == binding["metadata"]["namespace"] == NAMESPACE
+    assert binding["roleRef"]["name"] == role["metadata"]["name"]
+    assert binding["subjects"] == [
+        {"kind": "ServiceAccount", "name": account["metadata"]["name"], "namespace": NAMESPACE}
+    ]
+    assert role["rules"] == [
+        {
+            "apiGroups": ["discovery.k8s.io"],
+            "resources": ["endpointslices"],
+            "verbs": ["get", "list", "watch"],
+        }
+    ]
+
+
+def test_discovery_in_another_namespace_gets_its_role_there():
+    objects = render(VALUES_SETS["kubernetes_discovery_other_namespace"])
+    assert router_config(objects).discovery.kubernetes_config.namespace == "gpu"
+    assert find(objects, "Role")["metadata"]["namespace"] == "gpu"
+    binding = find(objects, "RoleBinding")
+    assert binding["metadata"]["namespace"] == "gpu"
+    assert binding["subjects"][0]["namespace"] == NAMESPACE  # the router's account lives with the router
+
+
+def test_autoscaling_owns_the_replica_count():
+    objects = render(VALUES_SETS["autoscaling"])
+    hpa = find(objects, "HorizontalPodAutoscaler")
+    assert (hpa["spec"]["minReplicas"], hpa["spec"]["maxReplicas"]) == (3, 6)
+    assert hpa["spec"]["scaleTargetRef"]["name"] == FULLNAME
+    assert "replicas" not in find(objects, "Deployment")["spec"]
+
+
+def test_service_monitor_selects_the_router_service_and_its_port():
+    objects = render(VALUES_SETS["monitoring_on"])
+    monitor = find(objects, "ServiceMonitor")
+    service = find(objects, "Service")
+    assert monitor["apiVersion"] == "monitoring.coreos.com/v1"
+    assert monitor["metadata"]["labels"]["release"] == "prom"
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert selector.items() <= service["metadata"]["labels"].items()
+    redis_service = find(render({"redis": {"enabled": True}}), "Service", f"{FULLNAME}-redis")
+    assert not selector.items() <= redis_service["metadata"]["labels"].items()
+    endpoint = monitor["spec"]["endpoints"][0]
+    assert endpoint["port"] in {p["name"] for p in service["spec"]["ports"]}
+    assert endpoint["path"] == "/metrics"
+
+
+def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
+    objects = render({})
+    dashboard = find(objects, "ConfigMap", f"{FULLNAME}-dashboard")
+    assert dashboard["metadata"]["labels"]["grafana_dashboard"] == "1"
+    shipped = json.loads((CHART / "dashboards" / "kvroute.json").read_text())
+    assert json.loads(dashboard["data"]["kvroute.json"]) == shipped
+
+    off = render(VALUES_SETS["monitoring_off"])
+    assert [o for o in off if o["kind"] == "ConfigMap"] == [find(off, "ConfigMap")]
+    assert "ServiceMonitor" not in kinds(off)
+
+
+@pytest.mark.parametrize(
+    ("values", "complaint"),
+    [
+        ({"replicaCount": -1}, "/replicaCount"),
+        ({"config": {"backends": []}}, "/config/backends"),
+        (
+            {"discovery": {"kubernetes": {"enabled": True, "settings": {"label_selector": ""}}}},
+            "label_selector",
+        ),
+        (
+            {"config": {"backends": [{"name": "a", "url": "http://a"}], "listen": {"port": 1}}},
+            "/config/listen",
+        ),
+        ({"redis": {"enabled": True, "mode": "external"}}, "/redis/external/url"),
+        ({"replicas": 3}, "replicas"),
+    ],
+)
+def test_schema_rejects_bad_values_naming_the_key(values, complaint):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=complaint):
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)

@@ -1,0 +1,78 @@
+"""The router's own metrics, read back from ``GET /metrics`` of a real router over real HTTP."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+from router.beliefs import BeliefMetrics
+from router.index.precise import PreciseIndex
+from router.kv_events.metrics import KVEventMetrics
+from router.metrics import RedisMetrics, RouterMetrics
+from router.ratelimit import RateLimiter
+from router.reload import reload_counter
+from tests.conftest import backends_of, scrape, total
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+MODEL = "sim-model"
+PROMPT = "Tell me a story about a lighthouse keeper. " * 20  # several 256-character blocks
+
+
+async def _complete(http, router, body: dict) -> int:
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        await resp.read()
+        return resp.status
+
+
+async def test_router_made_errors_are_counted_without_client_input_in_labels(fleet, make_router, http):
+    router = await make_router(backends_of(fleet))
+    assert await _complete(http, router, {"model": "no-such-model-x1", "prompt": "hi"}) == 404
+    assert await _complete(http, router, {"model": MODEL}) == 400
+    async with http.get(f"{router.url}/v1/nowhere/a1b2c3") as resp:
+        assert resp.status == 404
+
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_requests_total", endpoint="completions", status="404", model="") == 1
+    assert total(samples, "kvroute_requests_total", endpoint="completions", status="400", backend="") == 1
+    assert total(samples, "kvroute_requests_total", endpoint="other", status="404") == 1
+    label_values = {value for (_, labels), _ in samples.items() for _, value in labels}
+    assert not label_values & {"no-such-model-x1", "/v1/nowhere/a1b2c3"}
+
+
+async def test_no_healthy_backend_503_is_counted(make_router, http):
+    router = await make_router([{"name": "down", "url": "http://127.0.0.1:9", "models": [MODEL]}])
+    assert await _complete(http, router, {"model": MODEL, "prompt": "hi"}) == 503
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_requests_total", endpoint="completions", status="503") == 1
+
+
+async def test_index_lookups_and_evictions(fleet, make_router, http):
+    # Capacity of 2 blocks per backend: a prompt of several blocks must evict some of its own.
+    backends = [{**b, "capacity_blocks": 2} for b in backends_of(fleet)]
+    router = await make_router(backends, routing={"policy": "prefix_aware"})
+    for _ in range(2):
+        assert await _complete(http, router, {"model": MODEL, "prompt": PROMPT, "max_tokens": 2}) == 200
+
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_index_lookups_total", result="miss") == 1
+    assert total(samples, "kvroute_index_lookups_total", result="hit") == 1
+    assert total(samples, "kvroute_index_evictions_total") > 0
+    assert total(samples, "kvroute_index_blocks") == 2
+
+
+def test_readme_documents_every_metric_with_its_type():
+    """The README's Metrics table and the registries cannot drift apart."""
+    registry = RouterMetrics().registry
+    RedisMetrics(registry)
+    BeliefMetrics(registry)
+    KVEventMetrics(registry, PreciseIndex(16, {}, 2.0, 1000))
+    RateLimiter({}, {}, registry)
+    reload_counter(registry)
+    exposed = {family.name: family.type for family in registry.collect()}
+    section = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `(kvroute_[a-z_]+)` \| (\w+) \|", section, flags=re.MULTILINE)
+    documented = {name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in rows}
+    # The index's eviction count is read from the index at scrape time (RouterMetrics.watch_index).
+    exposed["kvroute_index_evictions"] = "counter"
+    assert documented == exposed
