@@ -1,0 +1,215 @@
+"""The proxies a router benchmark compares, each started as its own process on a chosen CPU.
+
+Every contender is a command line, a config file written for it, and a port. The
+processes are pinned with ``taskset`` so a saturation figure means "one core's worth" and
+never borrows the load generator's core. A contender that is not installed (no ``nginx``
+binary, no ``sglang_router`` module) is reported as missing, not faked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib.util
+import io
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from loadtest.null_backend import MODEL
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def pinned(command: list[str], cpus: str | None) -> list[str]:
+    """``command`` run on the CPUs ``cpus`` (a taskset list such as ``"1"`` or ``"0,1"``)."""
+    return ["taskset", "-c", cpus, *command] if cpus and shutil.which("taskset") else command
+
+
+@dataclass
+class Contender:
+    """One thing to measure: a proxy in front of the backends, or the backends themselves."""
+
+    name: str
+    port: int
+    #: The process to start; None for the direct baseline (nothing in between).
+    command: list[str] | None = None
+    #: Why it cannot run here (not installed), or None.
+    missing: str | None = None
+    process: subprocess.Popen | None = field(default=None, repr=False)
+    log: Path | None = field(default=None, repr=False)
+
+    def start(self, workdir: Path) -> None:
+        if self.command is None:
+            return
+        self.log = workdir / f"{self.name.replace(' ', '_')}.log"
+        with open(self.log, "wb") as log:
+            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+
+    def log_tail(self, chars: int = 160) -> str:
+        """The last line of the process's output, to say why it failed."""
+        if self.log is None or not self.log.exists():
+            return ""
+        lines = self.log.read_text(errors="replace").strip().splitlines()
+        return lines[-1][-chars:] if lines else ""
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 5 s: the benchmark leaves no process behind."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.send_signal(signal.SIGTERM)
+        try:
+            self.process.wait(5)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+    @property
+    def pid(self) -> int | None:
+        return self.process.pid if self.process is not None else None
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process, its threads and its descendants (Linux ``/proc``)."""
+    total = 0.0
+    tick = os.sysconf("SC_CLK_TCK")
+    pending = [pid]
+    while pending:
+        current = pending.pop()
+        try:
+            fields = Path(f"/proc/{current}/stat").read_text().rsplit(")", 1)[1].split()
+            total += (int(fields[11]) + int(fields[12])) / tick
+            for task in Path(f"/proc/{current}/task").iterdir():
+                pending += [int(c) for c in (task / "children").read_text().split()]
+        except (FileNotFoundError, ProcessLookupError, IndexError):
+            continue
+    return total
+
+
+def null_backends(ports: list[int], cpus: str | None) -> list[str]:
+    command = [sys.executable, "-m", "loadtest.null_backend"]
+    for port in ports:
+        command += ["--port", str(port)]
+    return pinned(command, cpus)
+
+
+def direct(backend_port: int) -> Contender:
+    return Contender("direct", backend_port)
+
+
+def kvroute(
+    workdir: Path, backends: list[str], cpus: str | None, workers: int = 1, redis_url: str | None = None
+) -> Contender:
+    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``."""
+    port = free_port()
+    config = workdir / f"kvroute-{port}.yaml"
+    lines = [
+        f"listen: {{host: 127.0.0.1, port: {port}}}",
+        "log_level: warning",
+        "routing: {policy: prefix_aware}",
+    ]
+    if redis_url:
+        lines.append(f"index: {{store: redis, redis: {{url: '{redis_url}'}}}}")
+    lines.append("backends:")
+    lines += [f"  - {{name: n{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(backends)]
+    config.write_text("\n".join(lines) + "\n")
+    # This interpreter and this checkout, whatever ``kvroute`` the PATH may hold.
+    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+    name = "kvroute"
+    if workers > 1:
+        command += ["--workers", str(workers)]
+        name = f"kvroute x{workers}"
+    return Contender(name, port, pinned(command, cpus))
+
+
+def kvroute_has_workers() -> bool:
+    """Whether this kvroute's ``serve`` takes ``--workers`` (several processes on one port)."""
+    from router.cli import build_parser
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            build_parser().parse_args(["serve", "--config", "x.yaml", "--workers", "2"])
+    except SystemExit:
+        return False
+    return True
+
+
+NGINX_CONF = """\
+worker_processes 1;
+daemon off;
+pid {dir}/nginx.pid;
+error_log {dir}/nginx-error.log warn;
+events {{ worker_connections 8192; }}
+http {{
+    access_log off;
+    client_body_temp_path {dir}/nginx-body;
+    proxy_temp_path {dir}/nginx-proxy;
+    fastcgi_temp_path {dir}/nginx-fastcgi;
+    uwsgi_temp_path {dir}/nginx-uwsgi;
+    scgi_temp_path {dir}/nginx-scgi;
+    client_body_buffer_size 1m;
+    upstream engines {{
+        least_conn;
+{servers}
+        keepalive 256;
+    }}
+    server {{
+        listen 127.0.0.1:{port} backlog=4096;
+        tcp_nodelay on;
+        location / {{
+            proxy_pass http://engines;
+            proxy_http_version 1.1;
+            proxy_set_header Connection "";
+            proxy_buffering off;
+            proxy_cache off;
+        }}
+    }}
+}}
+"""
+
+
+def nginx(workdir: Path, backends: list[str], cpus: str | None) -> Contender:
+    """nginx as operators deploy it in front of engines: least_conn, keepalive, no buffering."""
+    port = free_port()
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        return Contender("nginx", port, missing="nginx not installed (apt-get install nginx-light)")
+    servers = "\n".join(f"        server {url.removeprefix('http://')};" for url in backends)
+    conf = workdir / "nginx.conf"
+    conf.write_text(NGINX_CONF.format(dir=workdir, servers=servers, port=port))
+    return Contender(
+        "nginx", port, pinned([binary, "-e", str(workdir / "nginx-error.log"), "-c", str(conf)], cpus)
+    )
+
+
+def sglang(backends: list[str], cpus: str | None) -> Contender:
+    """SGLang's Rust router (PyPI ``sglang-router``) with its ``cache_aware`` policy."""
+    port = free_port()
+    if importlib.util.find_spec("sglang_router") is None:
+        return Contender("sglang", port, missing="sglang-router not installed (pip install sglang-router)")
+    command = [sys.executable, "-m", "sglang_router.launch_router", "--worker-urls", *backends]
+    command += ["--policy", "cache_aware", "--host", "127.0.0.1", "--port", str(port), "--log-level", "warn"]
+    # Its metrics exporter listens on a fixed port (29000) by default: give it a free one.
+    command += ["--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port())]
+    return Contender("sglang cache_aware", port, pinned(command, cpus))
+
+
+def wait_listening(port: int, timeout: float, process: subprocess.Popen | None = None) -> None:
+    """Return once ``127.0.0.1:port`` accepts connections; raise if the process died or time ran out."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process is not None and process.poll() is not None:
+            raise RuntimeError(f"exited with status {process.returncode} before listening on {port}")
+        with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), timeout=0.5):
+            return
+        time.sleep(0.05)
+    raise RuntimeError(f"nothing listening on {port} after {timeout:.0f} s")
