@@ -6,9 +6,8 @@ RoutableRequest (``router.request``), and hand it to the Dispatcher (``router.di
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
+import math
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -16,16 +15,24 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from policies.eviction import block_set_factory
 from policies.routing import build_policy
+from router.admin import admin_routes
+from router.auth import TENANT, auth_middleware
 from router.backends import BackendPool
 from router.config import Config
 from router.dispatch import Dispatcher
 from router.errors import OpenAIError
-from router.health import HealthMonitor
+from router.fleet import FleetUpkeep
 from router.index import MemoryIndex, PrefixIndex
+from router.index.precise import PreciseIndex
+from router.index.redis import build_redis_index
+from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.proxy import Proxy
+from router.reload import Runtime, reload_routes
 from router.request import CHAT, COMPLETIONS, parse_request
+from router.shared_load import start_shared_load
 
 log = logging.getLogger("kvroute.app")
 
@@ -34,25 +41,41 @@ CONFIG = web.AppKey("config", Config)
 POOL = web.AppKey("pool", BackendPool)
 METRICS = web.AppKey("metrics", RouterMetrics)
 INDEX = web.AppKey("index", PrefixIndex)
+#: What a config reload may change (router/reload.py); the request path reads it per request.
+RUNTIME = web.AppKey("runtime", Runtime)
+#: The admin API's own app when ``admin.listen`` puts it on a separate port (router/server.py).
+ADMIN_APP = web.AppKey("admin_app", web.Application)
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
 
 
+#: ``endpoint`` label of router-made errors, by path; any other path is ``other`` (bounded labels).
+_ENDPOINT_LABELS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
+
+
 @web.middleware
 async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
-    """Every error leaves in the OpenAI shape, including aiohttp's own 404/405/413."""
+    """Every error leaves in the OpenAI shape, including aiohttp's own 404/405/413.
+
+    Errors the router answers itself are counted in ``kvroute_requests_total`` here, with
+    empty model and backend: the model named in a bad request is client input and must not
+    become a label value. Responses from a backend are counted by the dispatcher.
+    """
     try:
         return await handler(request)
     except OpenAIError as exc:
-        return exc.response()
+        error = exc
     except web.HTTPRequestEntityTooLarge as exc:
-        return OpenAIError(413, f"Request body too large: {exc.text}", code="body_too_large").response()
+        error = OpenAIError(413, f"Request body too large: {exc.text}", code="body_too_large")
     except web.HTTPException as exc:
         if exc.status < 400:
             raise
-        return OpenAIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_")).response()
+        error = OpenAIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    endpoint = _ENDPOINT_LABELS.get(request.path, "other")
+    request.app[METRICS].requests.labels(endpoint, "", "", str(error.status)).inc()
+    return error.response()
 
 
 async def _read_body(request: web.Request, limit: int) -> bytes:
@@ -67,12 +90,16 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
 
 def _completions_handler(endpoint: str):
     async def completions(request: web.Request) -> web.StreamResponse:
-        config = request.app[CONFIG]
+        runtime = request.app[RUNTIME]
+        config = runtime.config
         body = await _read_body(request, config.limits.max_body_bytes)
-        routable = parse_request(
-            endpoint, body, request.headers, config.tenancy, config.routing.session_header
-        )
-        return await request.app[DISPATCHER].dispatch(request, routable)
+        tenancy, session_header, tenant = config.tenancy, config.routing.session_header, request.get(TENANT)
+        routable = parse_request(endpoint, body, request.headers, tenancy, session_header, tenant)
+        # Per-tenant limits (router/ratelimit.py): refused before any backend is touched; the
+        # slot is held until the response (stream included) ends, on every path.
+        prompt_tokens = math.ceil(len(routable.prompt) / config.index.chars_per_token)
+        with runtime.limiter.admit(routable.tenant, prompt_tokens):
+            return await request.app[DISPATCHER].dispatch(request, routable)
 
     return completions
 
@@ -97,25 +124,44 @@ async def ready(request: web.Request) -> web.Response:
 async def metrics(request: web.Request) -> web.Response:
     m, pool, index = request.app[METRICS], request.app[POOL], request.app[INDEX]
     for backend in pool:
-        m.healthy.labels(backend.name).set(1 if backend.healthy else 0)
+        m.show_backend(backend)
     m.index_blocks.set(index.size())
     body = generate_latest(m.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_index(config: Config) -> PrefixIndex:
-    index = MemoryIndex(config.index.max_blocks)
+def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
+    block_sets = block_set_factory(config.index.eviction, ttl_s=config.index.ttl_s)
+    index: PrefixIndex = MemoryIndex(config.index.max_blocks, block_sets)
+    if config.index.mode == "events":
+        # Precise mode: the engines' KV events are the truth (router/kv_events feeds this index).
+        events = config.index.events_config
+        index = PreciseIndex(
+            events.block_size, events.medium_weights, events.provisional_ttl_s, config.index.max_blocks
+        )
+    elif config.index.store == "redis":
+        # The memory index becomes the Redis index's local mirror: its view when Redis is not.
+        index = build_redis_index(config.index, index, metrics.registry)
     for backend in config.backends:
         index.add_backend(backend.name, backend.capacity_blocks or config.index.backend_capacity_blocks)
     return index
 
 
-def build_app(config: Config) -> web.Application:
-    """The router as an aiohttp Application; its background work starts and stops with it."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=config.limits.max_body_bytes)
-    pool = BackendPool(config.backends)
-    index = build_index(config)
+def build_app(config: Config, config_path: str | None = None) -> web.Application:
+    """The router as an aiohttp Application; its background work starts and stops with it.
+
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``).
+    """
+    pool = BackendPool(config.backends, config.health)
     router_metrics = RouterMetrics()
+    runtime = Runtime(config, pool, router_metrics.registry, config_path)
+    # Client keys on /v1/, the admin key on /admin/ (router/auth.py), read through the runtime
+    # so that a reload switches keys for the next request.
+    guard = auth_middleware(lambda: runtime.keys, lambda: runtime.admin_key)
+    app = web.Application(middlewares=[openai_errors, guard], client_max_size=config.limits.max_body_bytes)
+    app[RUNTIME] = runtime
+    index = build_index(config, router_metrics)
+    router_metrics.watch_index(index)
     app[CONFIG] = config
     app[POOL] = pool
     app[INDEX] = index
@@ -126,22 +172,28 @@ def build_app(config: Config) -> web.Application:
             total=None, connect=config.upstream.connect_timeout_s, sock_read=config.upstream.read_timeout_s
         )
         # limit=0: the router must never queue requests behind its own connection pool;
-        # auto_decompress=False: bodies pass through byte for byte.
+        # auto_decompress=False: bodies pass through byte for byte. DummyCookieJar: a proxy
+        # must never keep a backend's cookies and replay them on other clients' requests.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         async with aiohttp.ClientSession(
-            connector=connector, timeout=timeout, auto_decompress=False
+            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
             policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
             app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(session), router_metrics)
-            monitor = HealthMonitor(pool, session, config.health)
-            await monitor.check_once()
-            task = asyncio.create_task(monitor.run(), name="kvroute-health")
+            runtime.dispatcher = app[DISPATCHER]
+            upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
+            await upkeep.start()
+            await index.start()
+            shared_load = start_shared_load(index, pool)
+            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
             try:
                 yield
             finally:
-                task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await task
+                if kv_events is not None:
+                    await kv_events.close()
+                await upkeep.close()
+                if shared_load is not None:
+                    await shared_load.close()
                 await index.close()
 
     app.cleanup_ctx.append(lifecycle)
@@ -151,4 +203,12 @@ def build_app(config: Config) -> web.Application:
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
+    admin = admin_routes(pool) + reload_routes(runtime)
+    if config.admin.listen is None:
+        app.router.add_routes(admin)
+    else:
+        admin_app = web.Application(middlewares=[openai_errors, guard])
+        admin_app[METRICS] = router_metrics
+        admin_app.router.add_routes(admin)
+        app[ADMIN_APP] = admin_app
     return app

@@ -6,6 +6,12 @@
 
 Every request reaches exactly one engine or fails with a clear error, and each backend's
 in-flight count is released on every path (success, upstream error, client disconnect).
+
+Retries: a backend that fails before the client got a byte (router/proxy.py says which
+failures count) is replaced by the policy's pick among the remaining candidates, at most
+``upstream.max_attempts`` backends in all and never after ``upstream.retry_deadline_s``.
+Each outcome feeds the backend's circuit breaker once: 5xx, connection errors and timeouts
+as failures, any other answer (4xx included) as a success, a client that left as neither.
 """
 
 from __future__ import annotations
@@ -14,18 +20,23 @@ import logging
 import math
 import time
 
+import orjson
 from aiohttp import web
 
 from policies.routing.base import RoutingPolicy
 from policies.types import Decision, RequestView
+from router.auth import TENANT, upstream_headers
 from router.backends import Backend, BackendPool
+from router.beliefs import BeliefCheck, BeliefMetrics, ClosedLoop
 from router.config import Config
 from router.errors import OpenAIError
 from router.hashing import PrefixHasher, chain_seed
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
+from router.prefill import PendingPrefill
 from router.proxy import ClientGone, Proxy, StreamInterrupted, UpstreamFailed
-from router.request import RoutableRequest
+from router.request import CHAT, RoutableRequest
+from router.tokenize import block_keys
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -51,6 +62,17 @@ class Dispatcher:
         self.metrics = metrics
         self.hasher = PrefixHasher(config.index.block_size)
         self.block_tokens = max(1, round(config.index.block_size / config.index.chars_per_token))
+        #: Token mode (``index.mode: events``): chains are block keys over the engine's token ids,
+        #: in blocks of the engines' size, so they meet the keys the events produce.
+        self.tokenizer = config.index.tokenizer_config.load() if config.index.mode == "events" else None
+        if self.tokenizer is not None:
+            self.block_tokens = config.index.events_config.block_size
+        #: Closed-loop beliefs (router/beliefs.py): engines' cached-token reports correct the index.
+        self.closed_loop: ClosedLoop | None = None
+        if config.index.closed_loop:
+            beliefs = BeliefMetrics(metrics.registry)
+            tolerance = config.index.closed_loop_tolerance
+            self.closed_loop = ClosedLoop(index, self.block_tokens, tolerance, beliefs)
 
     def _candidates(self, model: str) -> list[Backend]:
         serving = self.pool.serving(model)
@@ -61,7 +83,7 @@ class Dispatcher:
                 param="model",
                 code="model_not_found",
             )
-        healthy = [b for b in serving if b.healthy]
+        healthy = [b for b in serving if b.routable]
         if not healthy:
             raise OpenAIError(
                 503,
@@ -71,51 +93,85 @@ class Dispatcher:
             )
         return healthy
 
-    def _request_view(self, routable: RoutableRequest, chain: list[int]) -> RequestView:
+    def _chain(self, routable: RoutableRequest) -> tuple[list[int], int | None]:
+        """The prompt's block chain, and its exact token count in token mode."""
+        if self.tokenizer is None:
+            return self.hasher.chain(routable.prompt, chain_seed(routable.tenant, routable.model)), None
+        ids = self.tokenizer.prompt_ids(orjson.loads(routable.body), routable.endpoint == CHAT)
+        return block_keys(ids, self.block_tokens), len(ids)
+
+    def _request_view(self, routable: RoutableRequest, chain: list[int], tokens: int | None) -> RequestView:
         return RequestView(
             model=routable.model,
             tenant=routable.tenant,
             session_key=routable.session_key,
-            prompt_tokens=math.ceil(len(routable.prompt) / self.config.index.chars_per_token),
+            prompt_tokens=tokens
+            if tokens is not None
+            else math.ceil(len(routable.prompt) / self.config.index.chars_per_token),
             block_count=len(chain) if chain else len(routable.prompt) // self.config.index.block_size,
             block_tokens=self.block_tokens,
             max_tokens=routable.max_tokens,
             stream=routable.stream,
+            chain=chain,
         )
 
     async def dispatch(self, request: web.Request, routable: RoutableRequest) -> web.StreamResponse:
         started = time.perf_counter()
         candidates = self._candidates(routable.model)
         chain: list[int] = []
+        tokens: int | None = None
         matches: dict[str, int] = {}
         if self.policy.uses_prefix_match:
-            chain = self.hasher.chain(routable.prompt, chain_seed(routable.tenant, routable.model))
+            chain, tokens = self._chain(routable)
             matches = await self.index.match(chain, [b.name for b in candidates])
-        view = self._request_view(routable, chain)
+            self.metrics.index_lookups.labels("hit" if any(matches.values()) else "miss").inc()
+        view = self._request_view(routable, chain, tokens)
         self.metrics.prompt_tokens.labels(routable.model).inc(view.prompt_tokens)
 
+        upstream = self.config.upstream
+        deadline = started + upstream.retry_deadline_s
         failures: list[str] = []
-        for attempt in range(self.config.upstream.max_attempts):
-            if not candidates:
+        for attempt in range(upstream.max_attempts):
+            remaining = deadline - time.perf_counter()
+            if attempt:
+                # Backends ejected meanwhile (perhaps by this very request's failures) are out.
+                candidates = [b for b in candidates if b.routable]
+            if not candidates or remaining <= 0:
                 break
+            by_name = {b.name: b for b in candidates}
             views = [b.view(matches.get(b.name, 0), self.index.blocks_of(b.name)) for b in candidates]
             decision = self.policy.choose(view, views)
-            backend = self.pool[decision.backend]
+            backend = by_name[decision.backend]
             if attempt:
                 self.metrics.retries.inc()
+            else:
+                self.metrics.decision_time.observe(time.perf_counter() - started)
+            first_byte_timeout = min(upstream.first_byte_timeout_s, remaining)
+            if self.tokenizer is not None and chain:
+                # Precise mode believes a pick at once (provisionally, until the engine's events
+                # say), so that a burst of requests sharing a prefix follows the first one.
+                self.index.record(backend.name, chain)
             try:
-                return await self._forward(request, routable, backend, decision, chain, started)
+                return await self._forward(
+                    request, routable, backend, decision, chain, started, first_byte_timeout
+                )
             except UpstreamFailed as exc:
-                backend.record_failure(self.config.health.unhealthy_after)
                 self.metrics.upstream_errors.labels(backend.name, exc.kind).inc()
                 log.warning(
                     "backend %s failed before responding (%s); %s",
                     backend.name,
                     exc,
-                    "retrying" if attempt + 1 < self.config.upstream.max_attempts else "giving up",
+                    "retrying" if attempt + 1 < upstream.max_attempts else "giving up",
                 )
                 failures.append(f"{backend.name}: {exc.kind}")
                 candidates = [b for b in candidates if b is not backend]
+        if time.perf_counter() >= deadline:
+            raise OpenAIError(
+                504,
+                f"No backend sent a first byte within {upstream.retry_deadline_s:g} s "
+                f"({'; '.join(failures) or 'no attempt'}).",
+                code="upstream_timeout",
+            )
         raise OpenAIError(
             502,
             f"No backend could serve the request ({'; '.join(failures) or 'no candidates left'}).",
@@ -130,6 +186,7 @@ class Dispatcher:
         decision: Decision,
         chain: list[int],
         started: float,
+        first_byte_timeout: float,
     ) -> web.StreamResponse:
         policy_name = self.policy.name or type(self.policy).__name__
         self.metrics.decisions.labels(policy_name, decision.reason).inc()
@@ -142,35 +199,72 @@ class Dispatcher:
             decision.matched_blocks,
             len(chain),
         )
-        headers = {"x-kvroute-backend": backend.name, "x-kvroute-reason": decision.reason}
+        # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
+        # prediction, to hold against the engine's usage.prompt_tokens_details.cached_tokens).
+        headers = {
+            "x-kvroute-backend": backend.name,
+            "x-kvroute-reason": decision.reason,
+            "x-kvroute-matched-tokens": str(decision.matched_blocks * self.block_tokens),
+        }
         url = backend.url + request.path
 
         def accepted() -> None:
-            backend.record_success()
             if chain:
                 self.index.record(backend.name, chain)
 
+        prompt_tokens = math.ceil(len(routable.prompt) / self.config.index.chars_per_token)
+        pending = PendingPrefill(backend, prompt_tokens - decision.matched_blocks * self.block_tokens)
+        check = None
+        if self.closed_loop is not None and chain:
+            check = BeliefCheck(
+                self.closed_loop, backend.name, chain, decision.matched_blocks, prompt_tokens, routable.body,
+                routable.stream,
+            )  # fmt: skip
+
         def first_byte(at: float) -> None:
+            pending.release()
             self.metrics.ttft.labels(routable.endpoint).observe(at - started)
 
         status = CLIENT_CLOSED
         backend.in_flight += 1
         in_flight_gauge = self.metrics.in_flight.labels(backend.name)
         in_flight_gauge.inc()
+        circuit = backend.circuit
+        trial = circuit.begin()
         try:
-            response = await self.proxy.forward(request, url, routable.body, headers, accepted, first_byte)
+            response = await self.proxy.forward(
+                request,
+                url,
+                check.body if check is not None else routable.body,
+                headers,
+                accepted,
+                first_byte,
+                first_byte_timeout=first_byte_timeout,
+                tap=check.tap if check is not None else None,
+                rewrite_headers=upstream_headers(backend.config.upstream_api_key, TENANT in request),
+            )
             status = str(response.status)
+            if check is not None:
+                check.settle()
+            if response.status >= 500:
+                circuit.record_failure()
+            else:
+                circuit.record_success()
             return response
         except UpstreamFailed:
             status = "upstream_error"
+            circuit.record_failure()
             raise
         except StreamInterrupted as exc:
             self.metrics.upstream_errors.labels(backend.name, exc.kind).inc()
             status = "stream_error"
+            circuit.record_failure()
             return exc.response
         except ClientGone as exc:
             return exc.response
         finally:
+            pending.release()
+            circuit.end(trial)
             backend.in_flight -= 1
             in_flight_gauge.dec()
             self.metrics.requests.labels(routable.endpoint, routable.model, backend.name, status).inc()

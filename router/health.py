@@ -1,8 +1,10 @@
 """Keeps each backend's health and model list fresh: active checks on an interval.
 
-A backend leaves rotation after ``health.unhealthy_after`` failed checks or connection
-failures in a row, and returns after one good check. Backends without configured models
-are asked for ``/v1/models`` until they answer, then every ``models_refresh_s``.
+A backend leaves rotation after ``health.unhealthy_after`` failed checks in a row, and
+returns after one good check. Backends without configured models are asked for
+``/v1/models`` until they answer, then every ``models_refresh_s``. A backend discovered at
+run time is checked at once, so it enters rotation without waiting for the next round.
+Failures of real requests are the circuit breaker's business (router/circuit.py).
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import aiohttp
 
 from router.backends import Backend, BackendPool
 from router.config import HealthConfig
+from router.tasks import stop_task
 
 log = logging.getLogger("kvroute.health")
 
@@ -25,6 +28,23 @@ class HealthMonitor:
         self.session = session
         self.config = config
         self._models_checked: dict[str, float] = {}
+        self._first_checks: set[asyncio.Task[None]] = set()
+
+    def follow_pool(self) -> None:
+        """Check each backend as soon as it joins the pool (call once the loop runs)."""
+        self.pool.subscribe(self._on_added, self._on_removed)
+
+    def _on_added(self, backend: Backend) -> None:
+        task = asyncio.create_task(self._check(backend), name=f"kvroute-health-{backend.name}")
+        self._first_checks.add(task)
+        task.add_done_callback(self._first_checks.discard)
+
+    def _on_removed(self, backend: Backend) -> None:
+        self._models_checked.pop(backend.name, None)
+
+    async def close(self) -> None:
+        for task in list(self._first_checks):
+            await stop_task(task)
 
     async def check_once(self) -> None:
         await asyncio.gather(*(self._check(b) for b in self.pool))

@@ -7,18 +7,33 @@ reasons from the policies' fixed vocabularies, never from request content.
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+import contextlib
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+if TYPE_CHECKING:
+    from router.backends import Backend
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
+#: A routing decision takes well under a millisecond locally; a remote index adds a round trip.
+DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 
 
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        # The router process's CPU, memory (most of it the prefix index under load) and file
+        # descriptors (one per client and upstream connection), as kvroute_process_*.
+        ProcessCollector(namespace="kvroute", registry=r)
         self.requests = Counter(
             "kvroute_requests",
-            "Requests answered, by endpoint, model, backend and HTTP status",
+            "Requests answered, by endpoint, model, backend and status; errors the router answers "
+            "itself (no backend reached) have empty backend and model",
             ["endpoint", "model", "backend", "status"],
             registry=r,
         )
@@ -34,6 +49,12 @@ class RouterMetrics:
             "Time from request received to the first upstream byte of the body",
             ["endpoint"],
             buckets=LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.decision_time = Histogram(
+            "kvroute_routing_decision_seconds",
+            "Time from dispatch to backend chosen: hashing, index lookup (a round trip if remote), policy",
+            buckets=DECISION_BUCKETS,
             registry=r,
         )
         self.decisions = Counter(
@@ -82,8 +103,163 @@ class RouterMetrics:
             "(backend, block) entries held by the prefix index",
             registry=r,
         )
-        self.index_evictions = Gauge(
-            "kvroute_index_evictions",
-            "Blocks evicted from the prefix index since start",
+        self.index_lookups = Counter(
+            "kvroute_index_lookups",
+            "Prefix index lookups; result is hit when some candidate held the chain's first block",
+            ["result"],
+            registry=r,
+        )
+
+        self.engine_waiting = Gauge(
+            "kvroute_backend_engine_waiting",
+            "Requests queued in the engine, from its last fresh /metrics scrape",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_running = Gauge(
+            "kvroute_backend_engine_running",
+            "Requests running in the engine, from its last fresh /metrics scrape",
+            ["backend"],
+            registry=r,
+        )
+        self.engine_kv_usage = Gauge(
+            "kvroute_backend_kv_usage",
+            "Engine KV cache usage in [0, 1], from its last fresh /metrics scrape",
+            ["backend"],
+            registry=r,
+        )
+        self.scrape_errors = Counter(
+            "kvroute_backend_scrape_errors",
+            "Failed scrapes of an engine's /metrics",
+            ["backend"],
+            registry=r,
+        )
+        self.circuit_state = Gauge(
+            "kvroute_backend_circuit_state",
+            "Passive ejection per backend: 0 closed (in rotation), 1 half-open (one trial), 2 open",
+            ["backend"],
+            registry=r,
+        )
+        self.draining = Gauge(
+            "kvroute_backend_draining",
+            "1 while the backend is drained (operator) or terminating (discovery), else 0",
+            ["backend"],
+            registry=r,
+        )
+        self.backend_gauges = (
+            self.in_flight,
+            self.healthy,
+            self.engine_waiting,
+            self.engine_running,
+            self.engine_kv_usage,
+            self.circuit_state,
+            self.draining,
+        )
+
+    def show_backend(self, backend: Backend) -> None:
+        """Set a backend's state gauges (called at scrape time); stale engine numbers have no sample."""
+        name = backend.name
+        self.healthy.labels(name).set(1 if backend.healthy else 0)
+        self.circuit_state.labels(name).set(int(backend.circuit.state))
+        self.draining.labels(name).set(1 if backend.draining or backend.terminating else 0)
+        engine = backend.fresh_engine_stats()
+        for gauge, value in (
+            (self.engine_waiting, engine.waiting if engine else None),
+            (self.engine_running, engine.running if engine else None),
+            (self.engine_kv_usage, engine.kv_usage if engine else None),
+        ):
+            if value is None:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
+            else:
+                gauge.labels(name).set(value)
+
+    def forget_backend(self, name: str) -> None:
+        """Drop a removed backend's gauges (its counters stay: they are history)."""
+        for gauge in self.backend_gauges:
+            with contextlib.suppress(KeyError):
+                gauge.remove(name)
+
+    def watch_index(self, index: object) -> None:
+        """Expose the index's own eviction count, read at scrape time.
+
+        The index counts its evictions as a plain integer (it knows nothing of Prometheus);
+        a collector reading it on each scrape keeps the count exact without a hook on the
+        eviction path. Indexes without an ``evictions`` attribute expose no sample.
+        """
+        self.registry.register(_IndexEvictions(index))
+
+
+class _IndexEvictions(Collector):
+    def __init__(self, index: object) -> None:
+        self._index = index
+
+    def describe(self) -> list[Metric]:
+        return [self._family()]
+
+    def collect(self) -> Iterator[Metric]:
+        evictions = getattr(self._index, "evictions", None)
+        if isinstance(evictions, int):
+            family = self._family()
+            family.add_metric([], evictions)
+            yield family
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily(
+            "kvroute_index_evictions", "Blocks evicted from the prefix index since start"
+        )
+
+
+#: Redis round trips on loopback take ~0.1-0.3 ms; the lookup deadline is a few ms.
+REDIS_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 1)
+
+
+class RedisMetrics:
+    """The shared state's health: latency, errors, fallbacks to the local view, dropped updates.
+
+    Registered only when ``index.store`` is ``redis``, in the app's registry.
+    """
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        r = registry
+        self.latency = Histogram(
+            "kvroute_redis_latency_seconds",
+            "Redis round trips, by operation (match, record, load, probe)",
+            ["op"],
+            buckets=REDIS_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.errors = Counter(
+            "kvroute_redis_errors",
+            "Failed Redis calls, by operation and kind (timeout, connection, auth, response)",
+            ["op", "kind"],
+            registry=r,
+        )
+        self.fallbacks = Counter(
+            "kvroute_redis_fallbacks",
+            "Lookups answered from this router's local view because Redis was down or slow",
+            registry=r,
+        )
+        self.up = Gauge(
+            "kvroute_redis_up",
+            "1 while the router uses the shared state in Redis, 0 while it routes on its local view",
+            registry=r,
+        )
+        self.dropped_updates = Counter(
+            "kvroute_index_dropped_updates",
+            "Index updates not written to Redis: the write queue was full, or Redis failed the batch",
+            ["reason"],
+            registry=r,
+        )
+        self.others_in_flight = Gauge(
+            "kvroute_backend_in_flight_others",
+            "Requests in flight per backend from the other router replicas (the shared load view)",
+            ["backend"],
+            registry=r,
+        )
+        self.write_queue = Gauge(
+            "kvroute_index_write_queue",
+            "Index updates waiting to be written to Redis",
             registry=r,
         )

@@ -58,11 +58,6 @@ def _canonical(value: Any, param: str) -> bytes:
         raise _bad(f"'{param}' is nested too deeply", param, "invalid_value") from None
 
 
-def _field(data: bytes) -> bytes:
-    """A length-prefixed field: no content can imitate a boundary between fields or messages."""
-    return b"%d" % len(data) + _FIELD_SEP + data
-
-
 def _content_bytes(content: Any, param: str) -> bytes:
     if content is None:
         return b""
@@ -71,7 +66,7 @@ def _content_bytes(content: Any, param: str) -> bytes:
     if isinstance(content, list):
         parts = []
         for j, part in enumerate(content):
-            if not isinstance(part, Mapping):
+            if not isinstance(part, dict):  # orjson decodes objects to dicts; an ABC check costs more
                 raise _bad(f"'{param}[{j}]' must be an object", f"{param}[{j}]", "invalid_type")
             text = part.get("text")
             # Text parts concatenate, as engines render them; images, audio and other parts are
@@ -91,18 +86,21 @@ def _chat_prompt(body: Mapping[str, Any]) -> bytes:
     out: list[bytes] = []
     tools = body.get("tools")
     if tools is not None:
-        out.append(b"tools" + _FIELD_SEP + _field(_canonical(tools, "tools")))
+        out.append(b"tools" + _FIELD_SEP + _canonical(tools, "tools"))
     for i, message in enumerate(messages):
         param = f"messages[{i}]"
-        if not isinstance(message, Mapping):
+        if not isinstance(message, dict):  # orjson decodes objects to dicts; an ABC check costs more
             raise _bad(f"'{param}' must be an object", param, "invalid_type")
         role = message.get("role")
         if not isinstance(role, str) or not role:
             raise _bad(f"'{param}.role' is required and must be a string", f"{param}.role", "invalid_type")
         content = _content_bytes(message.get("content"), f"{param}.content")
-        record = role.encode() + _FIELD_SEP + _field(content)
+        # Content is not length-prefixed: a message whose text extends another's (a document,
+        # then a question) must share its leading blocks. Separator bytes inside content could
+        # imitate a boundary; that can only mislead a cache-hit guess, never cross tenants.
+        record = role.encode() + _FIELD_SEP + content
         if message.get("tool_calls") is not None:
-            record += _field(_canonical(message["tool_calls"], f"{param}.tool_calls"))
+            record += _FIELD_SEP + _canonical(message["tool_calls"], f"{param}.tool_calls")
         out.append(record)
     return _RECORD_SEP.join(out)
 
@@ -146,7 +144,9 @@ def parse_request(
     headers: Mapping[str, str],
     tenancy: TenancyConfig,
     session_header: str,
+    tenant: str | None = None,
 ) -> RoutableRequest:
+    """``tenant``: the authenticated tenant (router/auth.py), which wins over any header."""
     content_type = headers.get("Content-Type", "application/json").split(";")[0].strip().lower()
     if content_type != "application/json" and not content_type.endswith("+json"):
         raise OpenAIError(
@@ -176,7 +176,7 @@ def parse_request(
     return RoutableRequest(
         endpoint=endpoint,
         model=model,
-        tenant=tenant_of(headers, tenancy),
+        tenant=tenant if tenant is not None else tenant_of(headers, tenancy),
         session_key=session if isinstance(session, str) and session else None,
         prompt=prompt,
         stream=stream,

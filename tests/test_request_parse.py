@@ -439,3 +439,27 @@ def test_api_key_is_ignored_when_disabled() -> None:
 def test_session_key(headers: dict[str, str], user: Any, expected: str | None) -> None:
     body = chat(CHAT_OK) if user is None else chat(CHAT_OK, user=user)
     assert parse(body, headers=headers).session_key == expected
+
+
+def test_a_message_that_extends_another_shares_its_leading_blocks():
+    """A long document, then the same document with a question appended, must share blocks."""
+    from router.hashing import PrefixHasher, chain_seed
+    from router.request import parse_request as parse
+
+    tenancy = TenancyConfig()
+    document = "Paragraph of a long document. " * 100
+    short, long = (
+        parse(
+            "chat",
+            orjson.dumps({"model": "m", "messages": [{"role": "user", "content": text}]}),
+            {},
+            tenancy,
+            "x-session-id",
+        )
+        for text in (document, document + " Question: what does it say?")
+    )
+    hasher = PrefixHasher(256)
+    seed = chain_seed("default", "m")
+    a, b = hasher.chain(short.prompt, seed), hasher.chain(long.prompt, seed)
+    assert len(a) >= 10
+    assert b[: len(a)] == a

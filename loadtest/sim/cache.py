@@ -17,9 +17,11 @@ the head of many chains survives longest, which is how vLLM frees and evicts blo
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import xxhash
+
+from loadtest.sim.kv_events import Cleared, Removed, SimEvent, Stored
 
 #: Fixed root of every hash chain; the model name is mixed into it (see :func:`model_seed`).
 _SEED_PREFIX = b"kvroute-sim\x00"
@@ -60,9 +62,15 @@ class PrefixCache:
         self.queries_tokens = 0
         self.hits_tokens = 0
         self.evictions = 0
+        #: Receives each change as KV events (one call per insert or clear), when the engine publishes.
+        self.listener: Callable[[list[SimEvent]], None] | None = None
 
     def __len__(self) -> int:
         return len(self._blocks)
+
+    def keys(self) -> set[int]:
+        """The cached blocks' keys (what the engine's KV events describe)."""
+        return set(self._blocks)
 
     def hashes(self, text: str, model: str) -> list[int]:
         """Keys of the full blocks of ``text`` as a prompt for ``model``."""
@@ -87,16 +95,46 @@ class PrefixCache:
         self.hits_tokens += hit * self.block_tokens
         return hit
 
-    def insert(self, hashes: Sequence[int]) -> None:
-        """Add or touch the chain's blocks, first block last (most recent), then evict LRU blocks."""
+    def insert(self, hashes: Sequence[int], token_ids: Sequence[int] = ()) -> None:
+        """Add or touch the chain's blocks, first block last (most recent), then evict LRU blocks.
+
+        With a listener, the change is reported as vLLM reports it: one ``Stored`` per run of newly
+        cached blocks (with their ``token_ids``, the prompt's tokens), then the evicted blocks.
+        """
         blocks = self._blocks
-        for key in reversed(hashes):
+        new: list[int] = []
+        for i in range(len(hashes) - 1, -1, -1):
+            key = hashes[i]
             if key in blocks:
                 blocks.move_to_end(key)
             else:
                 blocks[key] = None
+                new.append(i)
         excess = len(blocks) - self.capacity_blocks
-        for _ in range(excess):
-            blocks.popitem(last=False)
+        evicted = [blocks.popitem(last=False)[0] for _ in range(excess)]
         if excess > 0:
             self.evictions += excess
+        if self.listener is not None and (new or evicted):
+            events: list[SimEvent] = self._stored_runs(hashes, sorted(new), token_ids)
+            if evicted:
+                events.append(Removed(evicted))
+            self.listener(events)
+
+    def _stored_runs(self, hashes: Sequence[int], new: list[int], token_ids: Sequence[int]) -> list[SimEvent]:
+        """One ``Stored`` per run of consecutive new positions of the chain."""
+        size = self.block_tokens
+        runs: list[SimEvent] = []
+        start = 0
+        for j in range(1, len(new) + 1):
+            if j == len(new) or new[j] != new[j - 1] + 1:
+                first, last = new[start], new[j - 1] + 1
+                parent = hashes[first - 1] if first else None
+                runs.append(Stored(hashes[first:last], parent, token_ids[first * size : last * size]))
+                start = j
+        return runs
+
+    def clear(self) -> None:
+        """Drop every cached block (vLLM's ``reset_prefix_cache``), reported as ``AllBlocksCleared``."""
+        self._blocks.clear()
+        if self.listener is not None:
+            self.listener([Cleared()])

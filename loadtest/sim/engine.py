@@ -4,6 +4,12 @@ Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or 
 ``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM names, see :mod:`loadtest.sim.metrics`)
 and ``GET /sim/stats`` (JSON counters for tests and reports).
 
+With ``kv_events="vllm"`` (or ``"sglang"``) the engine also publishes its cache's changes as KV
+events in that engine's format (:mod:`loadtest.sim.kv_events`), says where at that engine's own
+discovery endpoint (vLLM ``GET /kv_event_sources``, SGLang ``GET /server_info``), and accepts
+``POST /reset_prefix_cache`` (which publishes ``AllBlocksCleared``). Its token ids are the
+simulator's (:func:`router.tokenize.chunk_token_ids`).
+
 A client that goes away stops costing anything: the server runs with ``handler_cancellation``, so
 the handler is cancelled on disconnect (aiohttp >= 3.9 does not cancel by default), and a failed
 write ends it too; either way the request leaves the scheduler at once and counts as cancelled.
@@ -22,6 +28,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.sim.cache import PrefixCache
+from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher
 from loadtest.sim.metrics import CONTENT_TYPE, EngineMetrics
 from loadtest.sim.protocol import (
     DONE_FRAME,
@@ -35,6 +42,7 @@ from loadtest.sim.protocol import (
 )
 from loadtest.sim.scheduler import RequestRecord, Scheduler, SimRequest, State
 from loadtest.sim.timing import EngineTiming
+from router.tokenize import chunk_token_ids
 
 #: Long chat histories are large; vLLM sets no small body limit either.
 _MAX_BODY_BYTES = 64 * 1024 * 1024
@@ -70,10 +78,16 @@ class SimEngine:
     """
 
     def __init__(
-        self, timing: EngineTiming | None = None, models: Sequence[str] = ("sim-model",), name: str = "sim"
+        self,
+        timing: EngineTiming | None = None,
+        models: Sequence[str] = ("sim-model",),
+        name: str = "sim",
+        kv_events: Format | None = None,
     ) -> None:
         if not models:
             raise ValueError("an engine serves at least one model")
+        if kv_events is not None and kv_events not in FORMATS:
+            raise ValueError(f"kv_events must be one of {FORMATS} or None, got {kv_events!r}")
         self.timing = timing if timing is not None else EngineTiming()
         self.models = tuple(models)
         self.name = name
@@ -100,6 +114,17 @@ class SimEngine:
                 web.get("/sim/stats", self._stats),
             ]
         )
+        self.kv_events_format = kv_events
+        #: The KV event publisher, while started with ``kv_events``.
+        self.publisher: KVEventPublisher | None = None
+        if kv_events is not None:
+            discovery = "/server_info" if kv_events == "sglang" else "/kv_event_sources"
+            self.app.add_routes(
+                [
+                    web.get(discovery, self._kv_event_sources),
+                    web.post("/reset_prefix_cache", self._reset_cache),
+                ]
+            )
         self.app.on_shutdown.append(self._abort_in_flight)
         self.app.cleanup_ctx.append(self._run_scheduler)
 
@@ -132,7 +157,35 @@ class SimEngine:
         self._runner = runner
         bound_port = runner.addresses[0][1]
         self.url = _http_url(host, bound_port)
+        if self.kv_events_format is not None:
+            await self._start_publisher(host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
         return self.url
+
+    async def _start_publisher(self, host: str, port: int = 0, replay_port: int = 0) -> None:
+        assert self.kv_events_format is not None
+        publisher = KVEventPublisher(
+            self.kv_events_format,
+            block_size=self.timing.block_tokens,
+            host=host,
+            port=port,
+            replay_port=replay_port,
+        )
+        await publisher.start()
+        self.publisher = publisher
+        self.cache.listener = publisher.publish
+
+    async def restart_kv_events(self) -> None:
+        """What the router sees of an engine restart: an empty cache and a new publisher (seq from 0).
+
+        The new publisher binds the same ports, so subscribers reconnect by themselves.
+        """
+        if self.publisher is None:
+            raise RuntimeError("engine does not publish KV events")
+        old, self.publisher = self.publisher, None
+        self.cache.listener = None
+        await old.close()
+        self.cache.clear()
+        await self._start_publisher(old.host, old.port, old.replay_port)
 
     async def stop(self) -> None:
         """Stop at once, like a killed engine: in-flight requests are dropped, not drained.
@@ -143,6 +196,10 @@ class SimEngine:
         if self._runner is not None:
             runner, self._runner = self._runner, None
             await runner.cleanup()
+        if self.publisher is not None:
+            publisher, self.publisher = self.publisher, None
+            self.cache.listener = None
+            await publisher.close()
 
     async def _run_scheduler(self, _app: web.Application) -> AsyncIterator[None]:
         task = asyncio.create_task(self.scheduler.run(), name=f"{self.name}-scheduler")
@@ -194,6 +251,7 @@ class SimEngine:
             hashes=self.cache.hashes(parsed.prompt, parsed.model),
             max_tokens=parsed.max_tokens,
             stream=parsed.stream,
+            token_ids=chunk_token_ids(parsed.prompt, self.timing.chars_per_token) if self.publisher else None,
         )
         task = asyncio.current_task()
         assert task is not None  # aiohttp runs every handler in a task
@@ -276,3 +334,13 @@ class SimEngine:
 
     async def _stats(self, _request: web.Request) -> web.Response:
         return _json(self.stats())
+
+    async def _kv_event_sources(self, _request: web.Request) -> web.Response:
+        publisher = self.publisher
+        if self.kv_events_format == "sglang":
+            return _json({"version": "sim", "kv_events": publisher.describe_sglang() if publisher else None})
+        return _json(publisher.describe_vllm() if publisher else {})
+
+    async def _reset_cache(self, _request: web.Request) -> web.Response:
+        self.cache.clear()
+        return web.Response()

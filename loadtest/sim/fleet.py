@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from loadtest.sim.engine import SimEngine
+from loadtest.sim.kv_events import Format
 from loadtest.sim.timing import EngineTiming
 
 
@@ -19,6 +20,7 @@ class SimFleet:
 
     Engine *i* listens on ``base_port + i``; with ``base_port=0`` each picks a free port (not
     necessarily consecutive), which is what tests want. Engines are named ``sim0``, ``sim1``, ...
+    ``kv_events`` makes every engine publish KV events in that format (see :class:`SimEngine`).
     """
 
     def __init__(
@@ -28,12 +30,15 @@ class SimFleet:
         base_port: int = 0,
         timing: EngineTiming | None = None,
         models: Sequence[str] = ("sim-model",),
+        kv_events: Format | None = None,
     ) -> None:
         if count < 1:
             raise ValueError("a fleet has at least one engine")
         self.host = host
         self.base_port = base_port
-        self.engines: list[SimEngine] = [SimEngine(timing, models, name=f"sim{i}") for i in range(count)]
+        self.engines: list[SimEngine] = [
+            SimEngine(timing, models, name=f"sim{i}", kv_events=kv_events) for i in range(count)
+        ]
 
     @property
     def urls(self) -> list[str]:

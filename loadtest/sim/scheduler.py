@@ -72,6 +72,8 @@ class SimRequest:
     prefill_s: float = 0.0
     first_token_at: float = 0.0
     changed: asyncio.Event = field(default_factory=asyncio.Event)
+    #: The prompt's token ids, when the engine publishes KV events (they carry the tokens).
+    token_ids: list[int] = field(default_factory=list)
 
 
 @dataclass(frozen=True)
@@ -153,6 +155,7 @@ class Scheduler:
         hashes: list[int],
         max_tokens: int,
         stream: bool,
+        token_ids: list[int] | None = None,
     ) -> SimRequest:
         """Enqueue a request; the caller must :meth:`release` it when its handler ends, on every path."""
         block_tokens = self.timing.block_tokens
@@ -168,6 +171,7 @@ class Scheduler:
             stream=stream,
             kv_blocks=kv_blocks,
             arrival=time.monotonic(),
+            token_ids=token_ids or [],
         )
         self.received += 1
         self._waiting.append(request)
@@ -233,7 +237,7 @@ class Scheduler:
                 self._prefill_timer = None
             if request.state is not State.PREFILLING:  # released meanwhile
                 continue
-            self.cache.insert(request.hashes)
+            self.cache.insert(request.hashes, request.token_ids)
             self.prompt_tokens += request.prompt_tokens
             self.cached_tokens += request.cached_tokens
             request.first_token_at = time.monotonic()

@@ -4,9 +4,26 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
+from typing import Any
 
 
 class PrefixIndex(ABC):
+    async def start(self) -> None:  # noqa: B027 -- optional hook; the memory index needs none
+        """Connect and start background work, once the event loop runs (a remote index's writer)."""
+
+    def belief_rank(self, backend: str, block: int) -> Any:
+        """Where ``block`` stands in ``backend``'s believed eviction order (None: not held, or
+        an index that cannot correct its beliefs). Closed-loop beliefs (router/beliefs.py)."""
+        return None
+
+    def forget_through(self, backend: str, rank: Any) -> int:
+        """The engine lost the block that ranked at ``rank``: drop ``backend``'s beliefs ranked at
+        or below it, and believe it holds no more than what remains; return how many were dropped."""
+        return 0
+
+    def regrow(self, backend: str, blocks: int) -> None:  # noqa: B027 -- see belief_rank
+        """The engine confirmed ``blocks`` believed blocks: let a lowered capacity grow back by as many."""
+
     @abstractmethod
     def add_backend(self, name: str, capacity_blocks: int) -> None:
         """Start tracking a backend with a believed capacity."""

@@ -8,6 +8,7 @@ chain once, touching only the owners of each block.
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable, Sequence
+from typing import Any
 
 from policies.eviction import BlockSet, LRUBlocks
 from router.index.base import PrefixIndex
@@ -18,6 +19,7 @@ class MemoryIndex(PrefixIndex):
         self.max_blocks = max_blocks
         self._new_block_set = block_set
         self._backends: dict[str, BlockSet] = {}
+        self._capacity: dict[str, int] = {}
         self._owners: dict[int, set[str]] = {}
         self._size = 0
         #: Blocks dropped by per-backend capacity or the global budget, for metrics.
@@ -26,11 +28,14 @@ class MemoryIndex(PrefixIndex):
     def add_backend(self, name: str, capacity_blocks: int) -> None:
         if name not in self._backends:
             self._backends[name] = self._new_block_set(capacity_blocks)
+            #: The configured capacity: closed-loop corrections lower it and let it grow back to it.
+            self._capacity[name] = capacity_blocks
 
     def remove_backend(self, name: str) -> None:
         blocks = self._backends.pop(name, None)
         if blocks is None:
             return
+        del self._capacity[name]
         while (block := blocks.evict_one()) is not None:
             self._forget(name, block)
 
@@ -40,6 +45,7 @@ class MemoryIndex(PrefixIndex):
 
     def match_now(self, chain: Sequence[int]) -> dict[str, int]:
         """Synchronous match over every backend (the offline simulator calls this directly)."""
+        self._expire()
         depth: dict[str, int] = {}
         alive: set[str] | None = None
         for i, block in enumerate(chain, start=1):
@@ -77,6 +83,13 @@ class MemoryIndex(PrefixIndex):
             self._forget(largest, block)
             self.evictions += 1
 
+    def _expire(self) -> None:
+        """Drop beliefs that time alone made stale (time-based eviction) before answering a match."""
+        for name, blocks in self._backends.items():
+            for block in blocks.expire():
+                self._forget(name, block)
+                self.evictions += 1
+
     def _forget(self, backend: str, block: int) -> None:
         """Drop one (backend, block) entry, already gone from its BlockSet, from the reverse map."""
         owners = self._owners.get(block)
@@ -92,6 +105,26 @@ class MemoryIndex(PrefixIndex):
 
     def size(self) -> int:
         return self._size
+
+    def belief_rank(self, backend: str, block: int) -> Any:
+        blocks = self._backends.get(backend)
+        return blocks.rank(block) if blocks is not None else None
+
+    def forget_through(self, backend: str, rank: Any) -> int:
+        blocks = self._backends.get(backend)
+        if blocks is None:
+            return 0
+        dropped = blocks.drop_through(rank)
+        for block in dropped:
+            self._forget(backend, block)
+        # Had the engine room for one more than what it used since, the lost block would be there.
+        blocks.capacity = max(1, min(blocks.capacity, len(blocks)))
+        return len(dropped)
+
+    def regrow(self, backend: str, blocks: int) -> None:
+        held = self._backends.get(backend)
+        if held is not None:
+            held.capacity = min(self._capacity[backend], held.capacity + blocks)
 
     async def close(self) -> None:
         """Nothing to release: the index lives and dies with the process."""
