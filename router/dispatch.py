@@ -20,7 +20,6 @@ import logging
 import math
 import time
 
-import orjson
 from aiohttp import web
 
 from policies.routing.base import RoutingPolicy
@@ -97,7 +96,7 @@ class Dispatcher:
         """The prompt's block chain, and its exact token count in token mode."""
         if self.tokenizer is None:
             return self.hasher.chain(routable.prompt, chain_seed(routable.tenant, routable.model)), None
-        ids = self.tokenizer.prompt_ids(orjson.loads(routable.body), routable.endpoint == CHAT)
+        ids = self.tokenizer.prompt_ids(routable.document, routable.endpoint == CHAT)
         return block_keys(ids, self.block_tokens), len(ids)
 
     def _request_view(self, routable: RoutableRequest, chain: list[int], tokens: int | None) -> RequestView:

@@ -10,7 +10,7 @@ differ only in who said what must not look alike.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
@@ -40,6 +40,9 @@ class RoutableRequest:
     max_tokens: int | None
     #: The body exactly as received; this is what is forwarded.
     body: bytes
+    #: The body as parsed, for consumers that need more than the fields above (the
+    #: tokenizer in precise mode), so nothing parses it twice. Read-only by convention.
+    document: dict = field(default_factory=dict, compare=False, repr=False)
 
 
 def _bad(message: str, param: str | None, code: str = "invalid_value") -> OpenAIError:
@@ -182,4 +185,5 @@ def parse_request(
         stream=stream,
         max_tokens=max_tokens,
         body=body,
+        document=parsed,
     )
