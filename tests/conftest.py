@@ -11,10 +11,12 @@ import aiohttp
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import config_from_dict
 from router.server import RouterServer
+from tests.fault_engine import FaultEngine, start_engines
 
 #: Quick engines: tests need the shape of the timing model, not its scale.
 FAST = EngineTiming(prefill_base_s=0.001, prefill_per_token_s=0.000005, decode_step_s=0.002)
@@ -30,6 +32,34 @@ def backends_of(fleet: SimFleet, prefix: str = "e") -> list[dict[str, Any]]:
 async def fleet() -> AsyncIterator[SimFleet]:
     async with SimFleet(3, timing=FAST) as f:
         yield f
+
+
+@pytest.fixture
+async def fault_engines() -> AsyncIterator[Callable[..., Awaitable[list[FaultEngine]]]]:
+    """Start fault-injecting engines by mode (``await fault_engines("hang", "ok")``); all stop after."""
+    started: list[FaultEngine] = []
+
+    async def make(*modes: str) -> list[FaultEngine]:
+        started.extend(await start_engines(*modes))
+        return started
+
+    yield make
+    for engine in started:
+        engine.release.set()
+        await engine.stop()
+
+
+@pytest.fixture
+async def shared_port_engines() -> AsyncIterator[int]:
+    """Two engines on one port, at 127.0.0.2 and 127.0.0.3 (as pods behind a headless Service)."""
+    first = SimEngine(FAST, name="a")
+    await first.start("127.0.0.2", 0)
+    port = int(first.url.rsplit(":", 1)[1])
+    second = SimEngine(FAST, name="b")
+    await second.start("127.0.0.3", port)
+    yield port
+    await first.stop()
+    await second.stop()
 
 
 @pytest.fixture

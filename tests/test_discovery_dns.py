@@ -8,8 +8,7 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.sim.engine import SimEngine
-from tests.conftest import FAST, eventually, scrape, total
+from tests.conftest import eventually, scrape, total
 from tests.dns_server import DnsServer
 
 NAME = "engines.kvroute.test."
@@ -24,18 +23,6 @@ async def dns_server():
     server.stop()
 
 
-@pytest.fixture
-async def engines():
-    first = SimEngine(FAST, name="a")
-    await first.start("127.0.0.2", 0)
-    port = int(first.url.rsplit(":", 1)[1])
-    second = SimEngine(FAST, name="b")
-    await second.start("127.0.0.3", port)
-    yield port
-    await first.stop()
-    await second.stop()
-
-
 async def names(http, router) -> set[str]:
     async with http.get(f"{router.url}/admin/backends") as resp:
         return {b["name"] for b in (await resp.json())["backends"] if b["state"] == "closed"}
@@ -48,8 +35,8 @@ async def complete(http, router) -> tuple[int, str | None]:
         return resp.status, resp.headers.get("x-kvroute-backend")
 
 
-async def test_backends_follow_the_a_records(dns_server, engines, make_router, http):
-    port = engines
+async def test_backends_follow_the_a_records(dns_server, shared_port_engines, make_router, http):
+    port = shared_port_engines
     a, b = f"127.0.0.2:{port}", f"127.0.0.3:{port}"
     dns_server.records[NAME] = ["127.0.0.2"]
     discovery = {
@@ -96,8 +83,8 @@ async def test_backends_follow_the_a_records(dns_server, engines, make_router, h
     assert await complete(http, router) == (200, b)
 
 
-async def test_a_name_without_records_empties_the_fleet(dns_server, engines, make_router, http):
-    port = engines
+async def test_a_name_without_records_empties_the_fleet(dns_server, shared_port_engines, make_router, http):
+    port = shared_port_engines
     dns_server.records[NAME] = ["127.0.0.2", "127.0.0.3"]
     discovery = {
         "kind": "dns",

@@ -5,23 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from loadtest.sim.engine import SimEngine
-from tests.conftest import FAST, eventually, scrape, total
+from tests.conftest import eventually, scrape, total
 from tests.k8s_api import FakeKubeApi, endpoint_slice, pod_endpoint
 
 PROMPT = "A long shared system prompt for discovery tests. " * 30
-
-
-@pytest.fixture
-async def engine_port():
-    first = SimEngine(FAST, name="a")
-    await first.start("127.0.0.2", 0)
-    port = int(first.url.rsplit(":", 1)[1])
-    second = SimEngine(FAST, name="b")
-    await second.start("127.0.0.3", port)
-    yield port
-    await first.stop()
-    await second.stop()
 
 
 @pytest.fixture
@@ -44,8 +31,10 @@ async def complete(http, router) -> tuple[int, str | None]:
         return resp.status, resp.headers.get("x-kvroute-backend")
 
 
-async def test_endpoint_slices_are_listed_watched_and_relisted(api, engine_port, make_router, http, tmp_path):
-    port = engine_port
+async def test_endpoint_slices_are_listed_watched_and_relisted(
+    api, shared_port_engines, make_router, http, tmp_path
+):
+    port = shared_port_engines
     (tmp_path / "token").write_text("secret-token\n")
     (tmp_path / "namespace").write_text("inference")
     api.slices = [

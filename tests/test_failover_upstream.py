@@ -11,23 +11,9 @@ import pytest
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from tests.conftest import backends_of, eventually, scrape, total
-from tests.fault_engine import MODEL, FaultEngine, backends, start_engines
+from tests.fault_engine import MODEL, FaultEngine, backends
 
 ROUND_ROBIN = {"policy": "round_robin"}
-
-
-@pytest.fixture
-async def engines():
-    started: list[FaultEngine] = []
-
-    async def make(*modes: str) -> list[FaultEngine]:
-        started.extend(await start_engines(*modes))
-        return started
-
-    yield make
-    for engine in started:
-        engine.release.set()
-        await engine.stop()
 
 
 async def post(http: aiohttp.ClientSession, router, stream: bool) -> tuple[int, dict, bytes]:
@@ -45,8 +31,10 @@ async def assert_released(http: aiohttp.ClientSession, router, engines: list[Fau
 
 
 @pytest.mark.parametrize("stream", [True, False])
-async def test_hanging_backend_times_out_before_first_byte_and_is_retried(engines, make_router, http, stream):
-    f0, f1 = await engines("hang", "ok")
+async def test_hanging_backend_times_out_before_first_byte_and_is_retried(
+    fault_engines, make_router, http, stream
+):
+    f0, f1 = await fault_engines("hang", "ok")
     router = await make_router(
         backends([f0, f1]), routing=ROUND_ROBIN, upstream={"first_byte_timeout_s": 0.3}
     )
@@ -65,8 +53,8 @@ async def test_hanging_backend_times_out_before_first_byte_and_is_retried(engine
 
 
 @pytest.mark.parametrize("status", [502, 503, 504])
-async def test_unavailable_statuses_before_first_byte_are_retried(engines, make_router, http, status):
-    f0, f1 = await engines("status", "ok")
+async def test_unavailable_statuses_before_first_byte_are_retried(fault_engines, make_router, http, status):
+    f0, f1 = await fault_engines("status", "ok")
     f0.status = status
     router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
 
@@ -79,8 +67,8 @@ async def test_unavailable_statuses_before_first_byte_are_retried(engines, make_
 
 
 @pytest.mark.parametrize("status", [400, 404, 422, 429, 500])
-async def test_client_errors_and_500_pass_through_unretried(engines, make_router, http, status):
-    f0, f1 = await engines("status", "ok")
+async def test_client_errors_and_500_pass_through_unretried(fault_engines, make_router, http, status):
+    f0, f1 = await fault_engines("status", "ok")
     f0.status = status
     router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
 
@@ -93,8 +81,10 @@ async def test_client_errors_and_500_pass_through_unretried(engines, make_router
     assert total(samples, "kvroute_retries_total") == 0
 
 
-async def test_backend_killed_mid_stream_ends_with_an_sse_error_and_no_retry(engines, make_router, http):
-    f0, f1 = await engines("die_mid_stream", "ok")
+async def test_backend_killed_mid_stream_ends_with_an_sse_error_and_no_retry(
+    fault_engines, make_router, http
+):
+    f0, f1 = await fault_engines("die_mid_stream", "ok")
     router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN)
 
     status, headers, body = await post(http, router, stream=True)
@@ -111,8 +101,8 @@ async def test_backend_killed_mid_stream_ends_with_an_sse_error_and_no_retry(eng
     await assert_released(http, router, [f0, f1])
 
 
-async def test_idle_stream_times_out_with_an_sse_error(engines, make_router, http):
-    (f0,) = await engines("stall_mid_stream")
+async def test_idle_stream_times_out_with_an_sse_error(fault_engines, make_router, http):
+    (f0,) = await fault_engines("stall_mid_stream")
     router = await make_router(backends([f0]), upstream={"read_timeout_s": 0.3})
 
     status, _, body = await post(http, router, stream=True)
@@ -125,8 +115,8 @@ async def test_idle_stream_times_out_with_an_sse_error(engines, make_router, htt
     await assert_released(http, router, [f0])
 
 
-async def test_attempts_are_bounded(engines, make_router, http):
-    fleet = await engines("status", "status", "status")
+async def test_attempts_are_bounded(fault_engines, make_router, http):
+    fleet = await fault_engines("status", "status", "status")
     router = await make_router(backends(fleet), routing=ROUND_ROBIN, upstream={"max_attempts": 2})
 
     status, _, body = await post(http, router, stream=False)
@@ -137,8 +127,8 @@ async def test_attempts_are_bounded(engines, make_router, http):
     await assert_released(http, router, fleet)
 
 
-async def test_total_deadline_cuts_the_attempts_short(engines, make_router, http):
-    fleet = await engines("hang", "hang")
+async def test_total_deadline_cuts_the_attempts_short(fault_engines, make_router, http):
+    fleet = await fault_engines("hang", "hang")
     upstream = {"max_attempts": 3, "first_byte_timeout_s": 30, "retry_deadline_s": 0.4}
     router = await make_router(backends(fleet), routing=ROUND_ROBIN, upstream=upstream)
 

@@ -6,11 +6,10 @@ from __future__ import annotations
 import asyncio
 
 import aiohttp
-import pytest
 
 from router.circuit import CircuitBreaker, CircuitState
 from tests.conftest import eventually, scrape, total
-from tests.fault_engine import MODEL, FaultEngine, backends, start_engines
+from tests.fault_engine import MODEL, backends
 
 
 class Clock:
@@ -80,20 +79,6 @@ def test_failed_trials_back_off_up_to_the_cap():
     assert circuit.state is CircuitState.HALF_OPEN
 
 
-@pytest.fixture
-async def engines():
-    started: list[FaultEngine] = []
-
-    async def make(*modes: str) -> list[FaultEngine]:
-        started.extend(await start_engines(*modes))
-        return started
-
-    yield make
-    for engine in started:
-        engine.release.set()
-        await engine.stop()
-
-
 async def complete(http: aiohttp.ClientSession, router) -> tuple[int, str | None]:
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3}
     async with http.post(f"{router.url}/v1/completions", json=body) as resp:
@@ -107,8 +92,8 @@ async def listed(http: aiohttp.ClientSession, router) -> dict[str, dict]:
         return {b["name"]: b for b in (await resp.json())["backends"]}
 
 
-async def test_failing_backend_is_ejected_and_readmitted_after_recovery(engines, make_router, http):
-    f0, f1 = await engines("status", "ok")
+async def test_failing_backend_is_ejected_and_readmitted_after_recovery(fault_engines, make_router, http):
+    f0, f1 = await fault_engines("status", "ok")
     f0.status = 500
     router = await make_router(
         backends([f0, f1]),
@@ -136,8 +121,8 @@ async def test_failing_backend_is_ejected_and_readmitted_after_recovery(engines,
     assert {(await complete(http, router))[1] for _ in range(4)} == {"f0", "f1"}
 
 
-async def test_client_errors_never_eject(engines, make_router, http):
-    (f0,) = await engines("status")
+async def test_client_errors_never_eject(fault_engines, make_router, http):
+    (f0,) = await fault_engines("status")
     f0.status = 400
     router = await make_router(backends([f0]), health={"eject_after": 2})
     assert [await complete(http, router) for _ in range(5)] == [(400, "f0")] * 5
@@ -145,8 +130,8 @@ async def test_client_errors_never_eject(engines, make_router, http):
     assert (state["circuit"], state["consecutive_request_failures"]) == ("closed", 0)
 
 
-async def test_failed_active_checks_take_a_backend_out_until_it_recovers(engines, make_router, http):
-    f0, f1 = await engines("ok", "ok")
+async def test_failed_active_checks_take_a_backend_out_until_it_recovers(fault_engines, make_router, http):
+    f0, f1 = await fault_engines("ok", "ok")
     router = await make_router(backends([f0, f1]), health={"interval_s": 0.05, "unhealthy_after": 2})
     f0.healthy = False
 
@@ -159,8 +144,8 @@ async def test_failed_active_checks_take_a_backend_out_until_it_recovers(engines
     await eventually(lambda: state_of_f0("closed"))
 
 
-async def test_drain_lets_in_flight_finish_and_sends_nothing_new(engines, make_router, http):
-    f0, f1 = await engines("hang", "ok")
+async def test_drain_lets_in_flight_finish_and_sends_nothing_new(fault_engines, make_router, http):
+    f0, f1 = await fault_engines("hang", "ok")
     router = await make_router(backends([f0, f1]), routing={"policy": "round_robin"})
     in_flight = asyncio.create_task(complete(http, router))
     await eventually(lambda: _true(f0.received == 1))
@@ -183,8 +168,8 @@ async def test_drain_lets_in_flight_finish_and_sends_nothing_new(engines, make_r
     assert {(await complete(http, router))[1] for _ in range(4)} == {"f0", "f1"}
 
 
-async def test_backend_drained_in_config_gets_nothing(engines, make_router, http):
-    f0, f1 = await engines("ok", "ok")
+async def test_backend_drained_in_config_gets_nothing(fault_engines, make_router, http):
+    f0, f1 = await fault_engines("ok", "ok")
     configs = backends([f0, f1])
     configs[0]["drain"] = True
     router = await make_router(configs)
@@ -192,8 +177,8 @@ async def test_backend_drained_in_config_gets_nothing(engines, make_router, http
     assert (await listed(http, router))["f0"]["draining"] is True
 
 
-async def test_admin_names_an_unknown_backend(make_router, http, engines):
-    (f0,) = await engines("ok")
+async def test_admin_names_an_unknown_backend(make_router, http, fault_engines):
+    (f0,) = await fault_engines("ok")
     router = await make_router(backends([f0]))
     async with http.post(f"{router.url}/admin/backends/nope/drain") as resp:
         assert resp.status == 404
