@@ -66,7 +66,7 @@ class Bench:
     engines: int
     #: KV tokens per engine (engines cache in 16-token blocks: capacity / 16 KV blocks).
     capacity_tokens: int
-    #: The router's believed capacity per engine in tokens (kvroute's backend_capacity_blocks).
+    #: The router's believed capacity per engine in tokens (kvroute's per-backend capacity_blocks).
     belief_capacity_tokens: int
     #: Cap on each request's output tokens (0: the trace's own); streaming cost grows with it.
     max_output_tokens: int
@@ -133,12 +133,17 @@ def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Con
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         "log_level: warning",
         f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1}}",
-        f"index: {{backend_capacity_blocks: {bench.belief_capacity_tokens // block_tokens}, "
-        f"closed_loop: {'true' if closed_loop else 'false'}}}",
+        f"index: {{closed_loop: {'true' if closed_loop else 'false'}}}",
         "health: {interval_s: 1.0}",
         "backends:",
     ]
-    lines += [f"  - {{name: e{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(urls)]
+    # Pinned per backend: the believed capacity may differ from the engines' on purpose
+    # (--belief-capacity), and a backend's own capacity_blocks wins over its engine's report.
+    capacity = bench.belief_capacity_tokens // block_tokens
+    lines += [
+        f"  - {{name: e{i}, url: '{url}', models: [{MODEL}], capacity_blocks: {capacity}}}"
+        for i, url in enumerate(urls)
+    ]
     config = workdir / f"kvroute-{name}.yaml"
     config.write_text("\n".join(lines) + "\n")
     return Contender(f"kvroute {name}", port, [_kvroute_bin(), "serve", "--config", str(config)])

@@ -13,6 +13,7 @@ import asyncio
 import aiohttp
 
 from router.backends import Backend, BackendPool
+from router.capacity import CapacitySizer
 from router.config import Config
 from router.discovery import build_discovery
 from router.health import HealthMonitor
@@ -36,8 +37,10 @@ class FleetUpkeep:
         self.index = index
         self.metrics = metrics
         self.monitor = HealthMonitor(pool, session, config.health)
+        #: Re-sizes each backend's believed capacity to what its engine reports (router/capacity.py).
+        self.sizer = CapacitySizer(index, config.index)
         self.scraper = (
-            LoadScraper(pool, session, config.engine_metrics, metrics)
+            LoadScraper(pool, session, config.engine_metrics, metrics, on_stats=self.sizer.observe)
             if config.engine_metrics.enabled
             else None
         )
@@ -51,6 +54,7 @@ class FleetUpkeep:
 
     def _on_removed(self, backend: Backend) -> None:
         self.index.remove_backend(backend.name)
+        self.sizer.forget(backend.name)
         self.metrics.forget_backend(backend.name)
 
     async def start(self) -> None:

@@ -103,6 +103,13 @@ class RouterMetrics:
             "(backend, block) entries held by the prefix index",
             registry=r,
         )
+        self.index_capacity = Gauge(
+            "kvroute_index_backend_capacity_blocks",
+            "Capacity bounding each backend's beliefs in the prefix index, in index blocks: the "
+            "engine's reported KV cache size, or the configured one (see README, Engine capacity)",
+            ["backend"],
+            registry=r,
+        )
         self.index_lookups = Counter(
             "kvroute_index_lookups",
             "Prefix index lookups; result is hit when some candidate held the chain's first block",
@@ -154,6 +161,7 @@ class RouterMetrics:
             self.engine_kv_usage,
             self.circuit_state,
             self.draining,
+            self.index_capacity,
         )
 
     def show_backend(self, backend: Backend) -> None:

@@ -13,12 +13,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable
 
 import aiohttp
 
 from router.backends import Backend, BackendPool
 from router.config import EngineMetricsConfig
-from router.engines import ADAPTERS
+from router.engines import ADAPTERS, EngineStats
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.scraper")
@@ -31,11 +32,14 @@ class LoadScraper:
         session: aiohttp.ClientSession,
         config: EngineMetricsConfig,
         metrics: RouterMetrics,
+        on_stats: Callable[[Backend, EngineStats], None] | None = None,
     ) -> None:
         self.pool = pool
         self.session = session
         self.config = config
         self.metrics = metrics
+        #: Told of every successful scrape (the capacity sizer, router/capacity.py).
+        self.on_stats = on_stats
         self._failing: set[str] = set()
 
     async def scrape_once(self) -> None:
@@ -65,3 +69,5 @@ class LoadScraper:
             self._failing.discard(backend.name)
             log.info("backend %s: /metrics readable again", backend.name)
         backend.set_engine_stats(stats, self.config.stale_after_s)
+        if self.on_stats is not None:
+            self.on_stats(backend, stats)

@@ -139,6 +139,11 @@ TIGHT = FAST.__class__(
 )
 
 
+def believing_too_much(fleet: SimFleet) -> list[dict]:
+    """Backends pinned to a believed capacity far above their engines' (else their reports win)."""
+    return [{**backend, "capacity_blocks": 65536} for backend in backends_of(fleet)]
+
+
 def chat_body(topic: int, **extra) -> dict:
     system = f"Topic {topic:03d}. " + "Background that fills a few blocks. " * 24
     return {
@@ -158,7 +163,7 @@ async def post(http, router, body: dict) -> tuple[str, bytes]:
 @pytest.mark.parametrize("stream", [False, True])
 async def test_stale_beliefs_are_dropped_when_the_engine_reports_a_miss(make_router, http, stream):
     async with SimFleet(1, timing=TIGHT) as fleet:
-        router = await make_router(backends_of(fleet), index={"closed_loop": True})
+        router = await make_router(believing_too_much(fleet), index={"closed_loop": True})
         extra = {"stream": True} if stream else {}
         for topic in range(6):  # the engine keeps about the last two; the router believes all six
             await post(http, router, chat_body(topic, **extra))
@@ -177,7 +182,7 @@ async def test_stale_beliefs_are_dropped_when_the_engine_reports_a_miss(make_rou
 
 async def test_open_loop_keeps_believing_what_the_engine_lost(make_router, http):
     async with SimFleet(1, timing=TIGHT) as fleet:
-        router = await make_router(backends_of(fleet))
+        router = await make_router(believing_too_much(fleet))
         for topic in range(6):
             await post(http, router, chat_body(topic))
         for topic in (3, 0, 1, 2):

@@ -29,6 +29,16 @@ class PrefixIndex(ABC):
         """Start tracking a backend with a believed capacity."""
 
     @abstractmethod
+    def set_capacity(self, name: str, capacity_blocks: int) -> None:
+        """Re-size ``name``'s believed capacity, once its engine reported its real KV cache size
+        (router/capacity.py). Shrinking evicts at once, by the eviction policy; an index whose
+        entries the engine bounds itself (precise mode) only records the number."""
+
+    @abstractmethod
+    def capacity_of(self, name: str) -> int | None:
+        """The capacity bounding ``name``'s beliefs now, in blocks (None: not tracked)."""
+
+    @abstractmethod
     def remove_backend(self, name: str) -> None:
         """Forget a backend and everything it was believed to hold."""
 

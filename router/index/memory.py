@@ -28,8 +28,25 @@ class MemoryIndex(PrefixIndex):
     def add_backend(self, name: str, capacity_blocks: int) -> None:
         if name not in self._backends:
             self._backends[name] = self._new_block_set(capacity_blocks)
-            #: The configured capacity: closed-loop corrections lower it and let it grow back to it.
+            #: The believed capacity (configured, or the engine's report): closed-loop corrections
+            #: lower the live bound (the BlockSet's) and let it grow back to this.
             self._capacity[name] = capacity_blocks
+
+    def set_capacity(self, name: str, capacity_blocks: int) -> None:
+        blocks = self._backends.get(name)
+        if blocks is None:
+            return
+        # A bound the closed loop lowered stays lowered (and regrows up to the new capacity).
+        lowered = blocks.capacity < self._capacity[name]
+        blocks.capacity = min(blocks.capacity, capacity_blocks) if lowered else capacity_blocks
+        self._capacity[name] = capacity_blocks
+        while len(blocks) > blocks.capacity and (block := blocks.evict_one()) is not None:
+            self._forget(name, block)
+            self.evictions += 1
+
+    def capacity_of(self, name: str) -> int | None:
+        blocks = self._backends.get(name)
+        return blocks.capacity if blocks is not None else None
 
     def remove_backend(self, name: str) -> None:
         blocks = self._backends.pop(name, None)

@@ -97,6 +97,8 @@ class PreciseIndex(PrefixIndex):
         self.max_blocks = max_blocks
         self._clock = clock
         self._backends: set[str] = set()
+        #: Each backend's capacity in event blocks, for display only (see set_capacity).
+        self._capacity: dict[str, int] = {}
         self._sources: dict[Source, dict[BlockHash, _Entry]] = {}
         #: key -> backend -> tier -> number of stream entries holding it there.
         self._holders: dict[int, dict[str, dict[str, int]]] = {}
@@ -115,10 +117,21 @@ class PreciseIndex(PrefixIndex):
     def add_backend(self, name: str, capacity_blocks: int) -> None:
         """Track ``name``; capacity is the engine's business here (its events report evictions)."""
         self._backends.add(name)
+        self._capacity.setdefault(name, capacity_blocks)
         self._held.setdefault(name, 0)
         self._provisional.setdefault(name, {})
 
+    def set_capacity(self, name: str, capacity_blocks: int) -> None:
+        """Recorded, never enforced: the engine evicts and its events say so; evicting here on a
+        number would only make the index disagree with the engine it mirrors."""
+        if name in self._backends:
+            self._capacity[name] = capacity_blocks
+
+    def capacity_of(self, name: str) -> int | None:
+        return self._capacity.get(name)
+
     def remove_backend(self, name: str) -> None:
+        self._capacity.pop(name, None)
         for source in [s for s in self._sources if s[0] == name]:
             self.clear_source(name, source[1])
             del self._sources[source]

@@ -67,6 +67,8 @@ class RedisIndex(PrefixIndex):
 
     async def start(self) -> None:
         self._wake = asyncio.Event()
+        if self._pending or self._deleted:
+            self._wake.set()  # queued before start (the first scrape may re-size capacities)
         with contextlib.suppress(RedisUnavailable):
             await self.link.call("probe", self.link.client.ping, self._background_timeout)
         self._tasks = [
@@ -81,6 +83,18 @@ class RedisIndex(PrefixIndex):
     def add_backend(self, name: str, capacity_blocks: int) -> None:
         self.local.add_backend(name, capacity_blocks)
         self._capacity.setdefault(name, capacity_blocks)
+
+    def set_capacity(self, name: str, capacity_blocks: int) -> None:
+        """Every write passes the capacity to the script; an empty write trims the set now."""
+        self.local.set_capacity(name, capacity_blocks)
+        if name not in self._capacity:
+            return
+        self._capacity[name] = capacity_blocks
+        self._pending.append((name, ()))
+        self._notify()
+
+    def capacity_of(self, name: str) -> int | None:
+        return self._capacity.get(name)
 
     def remove_backend(self, name: str) -> None:
         self.local.remove_backend(name)

@@ -102,7 +102,8 @@ return out
 #: KEYS[1]: the clock; KEYS[2]: the epochs ZSET; KEYS[3..]: the block ZSETs of every backend
 #: this router knows. ARGV: policy, key ttl in ms, belief ttl in ms, max_blocks, then
 #: records, each as (index into KEYS, capacity, the chain packed 8 bytes a block).
-#: Returns the number of entries evicted (capacity, belief ttl and global budget).
+#: Returns the number of entries evicted (capacity, belief ttl and global budget). A record
+#: with an empty chain only trims its set to the capacity (an engine reported a smaller cache).
 #:
 #: Scores mirror the in-memory BlockSets. A global sequence (the clock) orders every touch
 #: across replicas; a chain's block 0 gets the highest number, so a chain's first blocks
