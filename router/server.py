@@ -6,11 +6,13 @@ import asyncio
 import contextlib
 import gc
 import signal
+from collections.abc import Callable
 
 from aiohttp import web
 
 from router.app import ADMIN_APP, RUNTIME, build_app
 from router.config import Config, ConfigError
+from router.http_errors import OpenAIErrorRunner
 from router.http_log import HTTP_LOG
 
 
@@ -26,7 +28,9 @@ class RouterServer:
         # handler_cancellation: when a client disconnects, its handler is cancelled, which
         # closes the upstream connection so the engine stops working for nobody.
         # shutdown_timeout: on stop, in-flight handlers get this long (the SIGTERM drain).
-        self._runner = web.AppRunner(
+        # OpenAIErrorRunner: requests aiohttp refuses before any handler (malformed or oversized
+        # request line or headers) are answered in the OpenAI shape too (router/http_errors.py).
+        self._runner = OpenAIErrorRunner(
             self.app,
             handler_cancellation=True,
             access_log=None,
@@ -38,7 +42,17 @@ class RouterServer:
         )
         admin_app = self.app.get(ADMIN_APP)
         self._admin_runner = (
-            web.AppRunner(admin_app, access_log=None, shutdown_timeout=1.0) if admin_app is not None else None
+            OpenAIErrorRunner(
+                admin_app,
+                access_log=None,
+                shutdown_timeout=1.0,
+                max_line_size=limits.max_line_size,
+                max_field_size=limits.max_field_size,
+                max_headers=limits.max_headers,
+                logger=HTTP_LOG,
+            )
+            if admin_app is not None
+            else None
         )
         self.port: int | None = None
         #: The admin API's own port, with ``admin.listen`` (else it shares ``port``).
@@ -107,20 +121,27 @@ def tune_gc() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, 20, 20)
 
 
-async def serve_forever(config: Config, config_path: str | None = None, reuse_port: bool = False) -> None:
+async def serve_forever(
+    config: Config,
+    config_path: str | None = None,
+    reuse_port: bool = False,
+    reload_peers: Callable[[], None] | None = None,
+) -> None:
     """Serve until SIGTERM or SIGINT, then drain: stop listening, let in-flight responses finish.
 
     Leaving the ``async with`` runs aiohttp's graceful shutdown (the listening socket closes
     first; running handlers get ``listen.drain_timeout_s``, 60 s by default, to finish, and
     are cancelled after it), which is what Kubernetes expects between SIGTERM and the end of
     the pod's grace period. SIGHUP reloads ``config_path`` (router/reload.py). ``reuse_port``:
-    one of ``kvroute serve --workers N``'s processes (router/workers.py).
+    one of ``kvroute serve --workers N``'s processes (router/workers.py), whose
+    ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     async with RouterServer(config, reuse_port=reuse_port, config_path=config_path) as server:
+        server.app[RUNTIME].reload_peers = reload_peers
         loop.add_signal_handler(signal.SIGHUP, server.reload)
         tune_gc()
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)

@@ -15,9 +15,16 @@ worker (each reloads the config file); if one worker dies on its own, the others
 stopped and the command exits non-zero, so the process manager (systemd, Kubernetes)
 restarts a whole, known-good router instead of running one short.
 
+``POST /admin/reload`` reaches one worker (the one that takes the connection). It reloads,
+answers with its outcome and, when the file applied, tells the supervisor through its own
+pipe, which sends SIGHUP to every *other* worker: all of them end on the same file, and the
+one that answered does not reload twice. A pipe rather than a signal to the parent, because
+a signal does not say who sent it.
+
 State that is not in Redis stays per worker: ``/metrics`` and the admin API answer for the
-worker that takes the connection (an admin ``listen`` port of its own is refused, as every
-worker would bind it).
+worker that takes the connection (``GET /admin/config`` names it by ``pid``; an admin
+``listen`` port of its own is refused, as every worker would bind it), except reloads,
+which reach every worker as said above.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import multiprocessing
 import os
 import signal
 import sys
-from multiprocessing.connection import wait
+from multiprocessing.connection import Connection, wait
+from multiprocessing.process import BaseProcess
 from types import FrameType
 
 from router.config import Config
@@ -36,6 +44,8 @@ log = logging.getLogger("kvroute.workers")
 
 #: How long stopping workers get to finish in-flight requests before they are killed.
 STOP_GRACE_S = 30.0
+#: A worker's message to the supervisor: "the file applied here; reload the others".
+RELOAD_PEERS = b"reload"
 
 
 def refusal(config: Config, workers: int) -> str | None:
@@ -60,49 +70,76 @@ def refusal(config: Config, workers: int) -> str | None:
     return None
 
 
-def _worker_main(config: Config, config_path: str | None) -> None:
+def _worker_main(config: Config, config_path: str | None, supervisor: Connection) -> None:
     from router.cli import _run  # the one place that picks the event loop (uvloop where installed)
     from router.server import serve_forever
 
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
     )
-    _run(serve_forever(config, config_path, reuse_port=True))
+
+    def reload_peers() -> None:
+        try:
+            supervisor.send_bytes(RELOAD_PEERS)
+        except OSError as exc:  # the supervisor is gone: this worker is being stopped anyway
+            log.warning("could not ask the other workers to reload: %s", exc)
+
+    _run(serve_forever(config, config_path, reuse_port=True, reload_peers=reload_peers))
 
 
 def serve_workers(config: Config, workers: int, config_path: str | None = None) -> int:
     """Run ``workers`` worker processes until a signal (exit 0) or a worker's death (exit 1).
 
     Each worker drains on SIGTERM/SIGINT and reloads ``config_path`` on SIGHUP, as a single
-    ``kvroute serve`` does; the supervisor forwards SIGHUP to every worker.
+    ``kvroute serve`` does; the supervisor forwards SIGHUP to every worker, and a worker's
+    ``POST /admin/reload`` to the others.
     """
     context = multiprocessing.get_context("spawn")
+    pipes = [context.Pipe(duplex=False) for _ in range(workers)]
     processes = [
-        context.Process(target=_worker_main, args=(config, config_path), name=f"kvroute-worker-{i}")
-        for i in range(workers)
+        context.Process(target=_worker_main, args=(config, config_path, sender), name=f"kvroute-worker-{i}")
+        for i, (_, sender) in enumerate(pipes)
     ]
+    #: Each worker's pipe end, read here: a worker asking the others to reload.
+    requests = {receiver: process for (receiver, _), process in zip(pipes, processes, strict=True)}
     stopping = False
 
     def on_signal(signum: int, frame: FrameType | None) -> None:
         nonlocal stopping
         stopping = True
 
-    def forward(signum: int, frame: FrameType | None) -> None:
+    def signal_workers(signum: int, but: BaseProcess | None = None) -> None:
         for process in processes:
-            if process.pid is not None and process.is_alive():
+            if process is not but and process.pid is not None and process.is_alive():
                 os.kill(process.pid, signum)
+
+    def forward(signum: int, frame: FrameType | None) -> None:
+        signal_workers(signum)
+
+    def reload_others(receiver: Connection) -> None:
+        try:
+            receiver.recv_bytes()
+        except (EOFError, OSError):  # the worker exited; its sentinel says so
+            del requests[receiver]
+            return
+        signal_workers(signal.SIGHUP, but=requests[receiver])
 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward)
     try:
         for process in processes:
             process.start()
+        for _, sender in pipes:
+            sender.close()  # the worker holds its own copy; here a closed pipe means it exited
         listen = config.listen
         print(f"kvroute listening on http://{listen.host}:{listen.port} with {workers} workers", flush=True)
         while not stopping:
-            ended = wait([p.sentinel for p in processes], timeout=0.5)
+            ready = wait([*requests, *(p.sentinel for p in processes)], timeout=0.5)
+            for receiver in [r for r in ready if r in requests]:
+                reload_others(receiver)  # type: ignore[arg-type]
+            ended = [p for p in processes if p.sentinel in ready]
             if ended and not stopping:
-                dead = next(p for p in processes if p.sentinel in ended)
+                dead = ended[0]
                 log.error("worker %s exited with code %s; stopping the others", dead.name, dead.exitcode)
                 print(f"kvroute: worker {dead.name} exited with code {dead.exitcode}", file=sys.stderr)
                 break
@@ -117,4 +154,6 @@ def serve_workers(config: Config, workers: int, config_path: str | None = None) 
                 process.join()
         for sig, handler in previous.items():
             signal.signal(sig, handler)
+        for receiver in requests:
+            receiver.close()
     return 0 if stopping else 1

@@ -1,0 +1,94 @@
+"""``kvroute serve --workers 2``: SIGHUP to the parent and ``POST /admin/reload`` reach every worker.
+
+Workers share the port (SO_REUSEPORT), so which one answers depends on the connection: the
+test opens a fresh connection per request and reads ``GET /admin/config``, whose ``pid``
+names the worker, until every worker has shown the expected config (bounded by a deadline).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import yaml
+
+from tests.conftest import backends_of
+from tests.redis_servers import free_port, redis_server
+from tests.test_redis_workers import kvroute
+
+WORKERS = 2
+ADMIN = {"Authorization": "Bearer admin-workers-key"}
+
+
+def write(path: Path, port: int, backends: list[dict], redis_url: str, max_attempts: int) -> None:
+    config = {
+        "listen": {"host": "127.0.0.1", "port": port},
+        "backends": backends,
+        "index": {"store": "redis", "redis": {"url": redis_url}},
+        "admin": {"key": "admin-workers-key"},
+        "upstream": {"max_attempts": max_attempts},
+    }
+    path.write_text(yaml.safe_dump(config))
+
+
+async def worker_configs(url: str) -> dict[int, dict[str, Any]]:
+    """One ``/admin/config`` per fresh connection: ``{pid: config}`` of whichever worker answered."""
+    async with aiohttp.ClientSession() as http, http.get(f"{url}/admin/config", headers=ADMIN) as resp:
+        assert resp.status == 200
+        body = await resp.json()
+    return {body["pid"]: body["config"]}
+
+
+async def every_worker_shows(url: str, max_attempts: int, timeout: float = 30.0) -> set[int]:
+    """Poll until ``WORKERS`` distinct workers each answered with ``max_attempts``; their pids."""
+    latest: dict[int, int] = {}
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            for pid, config in (await worker_configs(url)).items():
+                latest[pid] = config["upstream"]["max_attempts"]
+        except aiohttp.ClientConnectionError:
+            pass  # workers still starting
+        done = [pid for pid, value in latest.items() if value == max_attempts]
+        if len(done) == WORKERS and len(latest) == WORKERS:
+            return set(done)
+        if time.monotonic() > deadline:
+            raise AssertionError(f"workers did not all show max_attempts={max_attempts}: {latest}")
+        await asyncio.sleep(0.02)
+
+
+async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
+    with redis_server() as server:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = tmp_path / "c.yaml"
+        write(config, port, backends_of(fleet), server.url, max_attempts=1)
+        process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=tmp_path / "log")
+        try:
+            pids = await every_worker_shows(url, 1)
+
+            # SIGHUP to the parent: every worker re-reads the file.
+            write(config, port, backends_of(fleet), server.url, max_attempts=2)
+            process.send_signal(signal.SIGHUP)
+            assert await every_worker_shows(url, 2) == pids
+
+            # POST /admin/reload lands on one worker; the others follow through the parent.
+            write(config, port, backends_of(fleet), server.url, max_attempts=3)
+            async with (
+                aiohttp.ClientSession() as http,
+                http.post(f"{url}/admin/reload", headers=ADMIN) as resp,
+            ):
+                assert resp.status == 200
+                assert "upstream" in (await resp.json())["changed"]
+            assert await every_worker_shows(url, 3) == pids
+            # Each worker applied each file once: the one that answered did not reload twice.
+            assert (tmp_path / "log").read_text().count("config reloaded from") == 2 * WORKERS
+            assert process.poll() is None
+        finally:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(process.wait, 40)
+        assert process.returncode == 0
