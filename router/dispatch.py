@@ -205,7 +205,6 @@ class Dispatcher:
             "x-kvroute-reason": decision.reason,
             "x-kvroute-matched-tokens": str(decision.matched_blocks * self.block_tokens),
         }
-        url = backend.url + request.path
 
         def accepted() -> None:
             if chain:
@@ -233,7 +232,7 @@ class Dispatcher:
         try:
             response = await self.proxy.forward(
                 request,
-                url,
+                backend.url,
                 check.body if check is not None else routable.body,
                 headers,
                 accepted,

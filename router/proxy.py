@@ -23,14 +23,14 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
-import aiohttp
 from aiohttp import web
 from multidict import CIMultiDict
 
 from router.errors import OpenAIError
+from router.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.usage import UsageTap
 
-#: RFC 9110 §7.6.1 connection-specific headers, plus those aiohttp recomputes itself.
+#: RFC 9110 §7.6.1 connection-specific headers, plus those the router sets itself.
 _NOT_FORWARDED = frozenset(
     h.lower()
     for h in (
@@ -78,13 +78,11 @@ class ClientGone(Exception):
 
 
 def failure_kind(exc: BaseException) -> str:
-    """A small fixed vocabulary for the ``kind`` metric label."""
-    if isinstance(exc, (asyncio.TimeoutError, aiohttp.ServerTimeoutError)):
+    """A small fixed vocabulary for the ``kind`` metric label (router/upstream.py names the kinds)."""
+    if isinstance(exc, UpstreamError):
+        return exc.kind
+    if isinstance(exc, asyncio.TimeoutError):
         return "timeout"
-    if isinstance(exc, aiohttp.ClientConnectorError):
-        return "connect"
-    if isinstance(exc, (aiohttp.ServerDisconnectedError, aiohttp.ClientPayloadError)):
-        return "disconnect"
     return "other"
 
 
@@ -115,13 +113,13 @@ else:
 
 
 class Proxy:
-    def __init__(self, session: aiohttp.ClientSession) -> None:
-        self.session = session
+    def __init__(self, upstream: UpstreamPool) -> None:
+        self.upstream = upstream
 
     async def forward(
         self,
         request: web.Request,
-        url: str,
+        backend_url: str,
         body: bytes,
         extra_headers: Mapping[str, str],
         on_accepted: Callable[[], None],
@@ -131,7 +129,8 @@ class Proxy:
         tap: UsageTap | None = None,
         rewrite_headers: Callable[[CIMultiDict[str]], None] | None = None,
     ) -> web.StreamResponse:
-        """Send ``body`` to ``url`` and answer ``request`` with what comes back.
+        """Send ``body`` to ``backend_url`` (at the request's own path and query) and answer
+        ``request`` with what comes back.
 
         ``on_accepted`` runs once the backend answered with a success status (it has the
         prompt); ``on_first_byte`` gets the time the first byte of a stream arrived.
@@ -140,9 +139,9 @@ class Proxy:
         ``rewrite_headers`` adjusts the headers sent upstream (credentials, router/auth.py).
         """
         try:
-            opening = self._open(request, url, body, rewrite_headers)
+            opening = self._open(request, backend_url, body, rewrite_headers)
             upstream, first = await _bounded(opening, first_byte_timeout)
-        except aiohttp.ClientError as exc:
+        except UpstreamError as exc:
             raise UpstreamFailed.from_exc(exc) from exc
         except asyncio.TimeoutError as exc:
             detail = f"no first byte in {first_byte_timeout:.3g} s"
@@ -171,20 +170,20 @@ class Proxy:
     async def _open(
         self,
         request: web.Request,
-        url: str,
+        backend_url: str,
         body: bytes,
         rewrite_headers: Callable[[CIMultiDict[str]], None] | None,
-    ) -> tuple[aiohttp.ClientResponse, bytes]:
+    ) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk; a retryable status fails the attempt."""
         outgoing = _copy_headers(request.headers)
         if rewrite_headers is not None:
             rewrite_headers(outgoing)
-        upstream = await self.session.post(url, data=body, headers=outgoing)
+        upstream = await self.upstream.post(backend_url, request.raw_path, outgoing.items(), body)
         try:
             if upstream.status in RETRYABLE_STATUSES:
                 detail = f"answered {upstream.status} {upstream.reason}"
                 raise UpstreamFailed(f"http_{upstream.status}", detail)
-            first = await upstream.content.readany()
+            first = await upstream.readany()
         except BaseException:
             upstream.close()
             raise
@@ -192,11 +191,11 @@ class Proxy:
 
     @staticmethod
     async def _buffered(
-        upstream: aiohttp.ClientResponse, first: bytes, headers: CIMultiDict[str], tap: UsageTap | None
+        upstream: UpstreamResponse, first: bytes, headers: CIMultiDict[str], tap: UsageTap | None
     ) -> web.Response:
         try:
-            data = first + await upstream.content.read()
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            data = first + await upstream.read()
+        except (UpstreamError, asyncio.TimeoutError) as exc:
             raise UpstreamFailed.from_exc(exc) from exc
         if tap is not None:
             tap.body(data)
@@ -205,7 +204,7 @@ class Proxy:
     async def _stream(
         self,
         request: web.Request,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         headers: CIMultiDict[str],
         tap: UsageTap | None,
@@ -220,8 +219,8 @@ class Proxy:
                 # The client went away; leaving closes the upstream connection (see forward).
                 raise ClientGone(response) from exc
             try:
-                chunk = await upstream.content.readany()
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                chunk = await upstream.readany()
+            except (UpstreamError, asyncio.TimeoutError) as exc:
                 await self._end_with_error(response, failure_kind(exc))
                 raise StreamInterrupted(failure_kind(exc), response) from exc
         await response.write_eof()
