@@ -21,6 +21,7 @@ from router.admin import admin_routes
 from router.auth import TENANT, auth_middleware
 from router.backends import BackendPool
 from router.config import Config
+from router.config_view import config_routes
 from router.dispatch import Dispatcher
 from router.errors import OpenAIError
 from router.fleet import FleetUpkeep
@@ -33,6 +34,7 @@ from router.proxy import Proxy
 from router.reload import Runtime, reload_routes
 from router.request import CHAT, COMPLETIONS, parse_request
 from router.shared_load import start_shared_load
+from router.upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.app")
 
@@ -125,6 +127,9 @@ async def metrics(request: web.Request) -> web.Response:
     m, pool, index = request.app[METRICS], request.app[POOL], request.app[INDEX]
     for backend in pool:
         m.show_backend(backend)
+        capacity = index.capacity_of(backend.name)
+        if capacity is not None:
+            m.index_capacity.labels(backend.name).set(capacity)
     m.index_blocks.set(index.size())
     body = generate_latest(m.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
@@ -171,15 +176,16 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         timeout = aiohttp.ClientTimeout(
             total=None, connect=config.upstream.connect_timeout_s, sock_read=config.upstream.read_timeout_s
         )
-        # limit=0: the router must never queue requests behind its own connection pool;
-        # auto_decompress=False: bodies pass through byte for byte. DummyCookieJar: a proxy
-        # must never keep a backend's cookies and replay them on other clients' requests.
+        # This session carries the side traffic (health checks, metric scrapes, event-source
+        # discovery); requests go through UpstreamPool (router/upstream.py), built for the hot path.
+        # limit=0: no queueing behind the pool; DummyCookieJar: never keep a backend's cookies.
         connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
             policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
-            app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(session), router_metrics)
+            upstream = UpstreamPool(config.upstream)
+            app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(upstream), router_metrics)
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
             await upkeep.start()
@@ -195,6 +201,7 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
                 if shared_load is not None:
                     await shared_load.close()
                 await index.close()
+                upstream.close()
 
     app.cleanup_ctx.append(lifecycle)
     app.router.add_post("/v1/chat/completions", _completions_handler(CHAT))
@@ -203,7 +210,7 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
     app.router.add_get("/metrics", metrics)
-    admin = admin_routes(pool) + reload_routes(runtime)
+    admin = admin_routes(pool, index) + reload_routes(runtime) + config_routes(runtime)
     if config.admin.listen is None:
         app.router.add_routes(admin)
     else:

@@ -75,8 +75,14 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     policies = [p for p in args.policy.split(",") if p]
     return run_command(
-        args.trace, policies, model, params=args.params, sweep=args.sweep, minutes=args.minutes,
-        limit=args.limit, seed=args.seed,
+        args.trace,
+        policies,
+        model,
+        params=args.params,
+        sweep=args.sweep,
+        minutes=args.minutes,
+        limit=args.limit,
+        seed=args.seed,
     )
 
 

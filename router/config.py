@@ -287,9 +287,14 @@ class UpstreamConfig:
     #: Total time to get a first byte, over all attempts: no attempt starts after it, and an
     #: attempt's first-byte wait is cut short at it.
     retry_deadline_s: float = 600.0
+    #: An idle keep-alive connection to a backend is reused only this long, kept under the
+    #: engines' own keep-alive timeout (uvicorn's 5 s, which vLLM and SGLang serve with), so the
+    #: router does not send a request on a connection the engine is closing at that moment.
+    keepalive_s: float = 4.0
 
     def validate(self) -> None:
-        for name in ("connect_timeout_s", "read_timeout_s", "first_byte_timeout_s", "retry_deadline_s"):
+        timeouts = ("connect_timeout_s", "read_timeout_s", "first_byte_timeout_s", "retry_deadline_s")
+        for name in (*timeouts, "keepalive_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name}: expected a positive number")
         if self.max_attempts < 1:

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from aiohttp import web
@@ -77,6 +78,9 @@ class Runtime:
         #: Set once the app's client session exists (app startup).
         self.dispatcher: Dispatcher | None = None
         self.reloads = reload_counter(registry)
+        #: Set by ``kvroute serve --workers N`` (router/workers.py): after ``POST /admin/reload``
+        #: applied here, asks the supervisor to have every other worker reload too.
+        self.reload_peers: Callable[[], None] | None = None
 
     def reload_file(self) -> dict[str, object]:
         """Re-read ``path`` and apply it; ConfigError (nothing changed) when it is invalid."""
@@ -132,6 +136,7 @@ class Runtime:
             self._sync_backends(running)
         if self.dispatcher is not None:
             self.dispatcher.config = running
+            self.dispatcher.proxy.upstream.configure(running.upstream)
             if policy is not None:
                 self.dispatcher.policy = policy
         if running.log_level != old.log_level:
@@ -166,13 +171,20 @@ class Runtime:
 
 
 def reload_routes(runtime: Runtime) -> list[web.RouteDef]:
-    """``POST /admin/reload``: 200 with what changed, or 400 naming what is wrong (nothing applied)."""
+    """``POST /admin/reload``: 200 with what changed, or 400 naming what is wrong (nothing applied).
+
+    Under ``--workers N`` the worker that took the request reloads at once (its outcome is the
+    response), then has the others reload the same file: they follow within milliseconds. An
+    invalid file is refused here and is not passed on (the others would refuse it alike).
+    """
 
     async def reload(request: web.Request) -> web.Response:
         try:
             outcome = runtime.reload_file()
         except ConfigError as exc:
             raise OpenAIError(400, f"Config not reloaded: {exc}", code="invalid_config") from None
+        if runtime.reload_peers is not None:
+            runtime.reload_peers()
         return web.json_response(outcome)
 
     return [web.post("/admin/reload", reload)]
