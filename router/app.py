@@ -76,7 +76,7 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
             raise
         error = OpenAIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
     endpoint = _ENDPOINT_LABELS.get(request.path, "other")
-    request.app[METRICS].requests.labels(endpoint, "", "", str(error.status)).inc()
+    request.app[METRICS].requests_by(endpoint, "", "", str(error.status)).inc()
     return error.response()
 
 

@@ -123,9 +123,9 @@ class Dispatcher:
         if self.policy.uses_prefix_match:
             chain, tokens = self._chain(routable)
             matches = await self.index.match(chain, [b.name for b in candidates])
-            self.metrics.index_lookups.labels("hit" if any(matches.values()) else "miss").inc()
+            self.metrics.index_lookups_by("hit" if any(matches.values()) else "miss").inc()
         view = self._request_view(routable, chain, tokens)
-        self.metrics.prompt_tokens.labels(routable.model).inc(view.prompt_tokens)
+        self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
 
         upstream = self.config.upstream
         deadline = started + upstream.retry_deadline_s
@@ -188,8 +188,8 @@ class Dispatcher:
         first_byte_timeout: float,
     ) -> web.StreamResponse:
         policy_name = self.policy.name or type(self.policy).__name__
-        self.metrics.decisions.labels(policy_name, decision.reason).inc()
-        self.metrics.matched_tokens.labels(routable.model).inc(decision.matched_blocks * self.block_tokens)
+        self.metrics.decisions_by(policy_name, decision.reason).inc()
+        self.metrics.matched_tokens_by(routable.model).inc(decision.matched_blocks * self.block_tokens)
         log.debug(
             "route model=%s backend=%s reason=%s matched_blocks=%d of %d",
             routable.model,
@@ -221,7 +221,7 @@ class Dispatcher:
 
         def first_byte(at: float) -> None:
             pending.release()
-            self.metrics.ttft.labels(routable.endpoint).observe(at - started)
+            self.metrics.ttft_by(routable.endpoint).observe(at - started)
 
         status = CLIENT_CLOSED
         backend.in_flight += 1
@@ -265,5 +265,5 @@ class Dispatcher:
             circuit.end(trial)
             backend.in_flight -= 1
             in_flight_gauge.dec()
-            self.metrics.requests.labels(routable.endpoint, routable.model, backend.name, status).inc()
-            self.metrics.latency.labels(routable.endpoint).observe(time.perf_counter() - started)
+            self.metrics.requests_by(routable.endpoint, routable.model, backend.name, status).inc()
+            self.metrics.latency_by(routable.endpoint).observe(time.perf_counter() - started)

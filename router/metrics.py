@@ -23,6 +23,26 @@ LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
 
 
+class Children:
+    """A labelled metric's children, memoised by label values.
+
+    prometheus_client's ``labels()`` validates and converts the values and takes a lock on
+    every call; the request path makes several calls per request, a measurable share of its
+    CPU. Only for metrics whose children are never removed (counters and histograms here):
+    a removed child would stay cached and count where no scrape sees it.
+    """
+
+    def __init__(self, metric: Counter | Histogram) -> None:
+        self.metric = metric
+        self._cache: dict[tuple[str, ...], Counter | Histogram] = {}
+
+    def __call__(self, *values: str) -> Counter | Histogram:
+        child = self._cache.get(values)
+        if child is None:
+            child = self._cache[values] = self.metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
@@ -153,6 +173,14 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        # The request path's per-request metrics, through memoised children (see Children).
+        self.requests_by = Children(self.requests)
+        self.latency_by = Children(self.latency)
+        self.ttft_by = Children(self.ttft)
+        self.decisions_by = Children(self.decisions)
+        self.prompt_tokens_by = Children(self.prompt_tokens)
+        self.matched_tokens_by = Children(self.matched_tokens)
+        self.index_lookups_by = Children(self.index_lookups)
         self.backend_gauges = (
             self.in_flight,
             self.healthy,

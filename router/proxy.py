@@ -92,10 +92,11 @@ RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
 def _copy_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     # Headers the Connection header names are hop-by-hop as well (RFC 9110 §7.6.1).
-    listed = {token.strip().lower() for token in headers.get("Connection", "").split(",")}
-    return CIMultiDict(
-        (k, v) for k, v in headers.items() if k.lower() not in _NOT_FORWARDED and k.lower() not in listed
-    )
+    connection = headers.get("Connection")
+    dropped = _NOT_FORWARDED
+    if connection:
+        dropped = dropped | {token.strip().lower() for token in connection.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in dropped])
 
 
 _T = TypeVar("_T")

@@ -98,6 +98,7 @@ class _Connection(asyncio.Protocol):
         self.head_done = False
         self.complete = False
         self._until_eof = False
+        self._keep_alive = False
         self.status = 0
         self.reason = ""
         self.raw_headers: list[tuple[str, str]] = []
@@ -154,6 +155,8 @@ class _Connection(asyncio.Protocol):
         self.head_done = True
         names = {name.lower() for name, _ in self.raw_headers}
         self._until_eof = "content-length" not in names and "transfer-encoding" not in names
+        # Asked here: llhttp forgets it once the message is complete.
+        self._keep_alive = self._parser.should_keep_alive()
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -178,14 +181,14 @@ class _Connection(asyncio.Protocol):
             and self.transport is not None
             and not self.transport.is_closing()
             and not self._until_eof
-            and self._parser.should_keep_alive()
+            and self._keep_alive
         )
 
     async def exchange(self, request: bytes, body: bytes) -> None:
         """Send the request and wait for the response's status line and headers."""
         assert self.transport is not None
         self.in_exchange = True
-        self.received = self.head_done = self.complete = self._until_eof = False
+        self.received = self.head_done = self.complete = self._until_eof = self._keep_alive = False
         self.raw_headers = []
         self._last_data = self._loop.time()
         if len(body) < 16384:

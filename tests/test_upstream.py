@@ -1,0 +1,251 @@
+"""The request path's upstream client (router/upstream.py) against scripted backends on loopback."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from router.config import UpstreamConfig
+from router.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
+
+OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
+
+Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class Backend:
+    """A loopback server running ``script`` on each connection; counts connections and requests."""
+
+    def __init__(self, script: Script) -> None:
+        self.script = script
+        self.connections = 0
+        self.requests: list[bytes] = []
+        self.server: asyncio.base_events.Server | None = None
+
+    async def __aenter__(self) -> Backend:
+        self.server = await asyncio.start_server(self._serve, "127.0.0.1", 0)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    @property
+    def url(self) -> str:
+        assert self.server is not None
+        return f"http://127.0.0.1:{self.server.sockets[0].getsockname()[1]}"
+
+    async def read_request(self, reader: asyncio.StreamReader) -> bytes:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(line.split(b":")[1])
+            for line in head.split(b"\r\n")
+            if line.lower().startswith(b"content-length")
+        )
+        body = await reader.readexactly(length)
+        self.requests.append(head + body)
+        return head + body
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.script(reader, writer)
+        except (asyncio.IncompleteReadError, ConnectionError):
+            pass
+        finally:
+            writer.close()
+
+
+def pool(**overrides: float) -> UpstreamPool:
+    return UpstreamPool(UpstreamConfig(**overrides))
+
+
+async def test_sequential_requests_share_one_kept_alive_connection() -> None:
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await backend.read_request(reader)
+            writer.write(OK)
+
+    async with Backend(keep_alive) as backend:
+        upstream = pool()
+        for _ in range(3):
+            response = await upstream.post(backend.url, "/v1/completions", [("X-A", "1")], b'{"x": 1}')
+            assert (response.status, response.content_type, await response.read()) == (
+                200,
+                "application/json",
+                b"{}",
+            )
+            response.release()
+        upstream.close()
+    assert backend.connections == 1 and len(backend.requests) == 3
+    first = backend.requests[0]
+    assert first.startswith(b"POST /v1/completions HTTP/1.1\r\n")
+    assert (
+        b"\r\nX-A: 1\r\n" in first and b"\r\nContent-Length: 8\r\n" in first and first.endswith(b'{"x": 1}')
+    )
+
+
+async def test_a_reused_connection_closed_before_any_answer_is_replaced_once() -> None:
+    """The keep-alive race: the engine closes an idle connection just as the router sends on it.
+    Scripted here as a backend that answers the first request of a connection and closes on the
+    next one without a byte; the router sends it once more on a new connection."""
+
+    async def one_answer_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(OK)
+        await backend.read_request(reader)
+
+    async with Backend(one_answer_per_connection) as backend:
+        upstream = pool()
+        for _ in range(2):
+            response = await upstream.post(backend.url, "/p", [], b"{}")
+            assert await response.read() == b"{}"
+            response.release()
+        upstream.close()
+    assert backend.connections == 2 and len(backend.requests) == 3
+
+
+async def test_a_new_connection_closed_before_any_answer_fails_without_a_second_try() -> None:
+    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+
+    async with Backend(hang_up) as backend:
+        with pytest.raises(Disconnected):
+            await pool().post(backend.url, "/p", [], b"{}")
+    assert backend.connections == 1
+
+
+async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await backend.read_request(reader)
+            writer.write(OK)
+
+    async with Backend(keep_alive) as backend:
+        upstream = pool(keepalive_s=0.05)
+        for _ in range(2):
+            response = await upstream.post(backend.url, "/p", [], b"{}")
+            await response.read()
+            response.release()
+            await asyncio.sleep(0.1)
+        upstream.close()
+    assert backend.connections == 2
+
+
+async def test_connection_close_and_an_end_of_connection_body() -> None:
+    """A body with neither length nor chunks ends with the connection; that connection is not reused."""
+
+    async def until_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: text/plain\r\n\r\nall of ")
+        await writer.drain()
+        writer.write(b"it")
+
+    async with Backend(until_eof) as backend:
+        upstream = pool()
+        for _ in range(2):
+            response = await upstream.post(backend.url, "/p", [], b"{}")
+            assert await response.read() == b"all of it"
+            response.release()
+        upstream.close()
+    assert backend.connections == 2
+
+
+async def test_a_chunked_stream_arrives_chunk_by_chunk_as_it_is_sent() -> None:
+    more = asyncio.Event()
+
+    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(
+            b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+        )
+        writer.write(b"7\r\ndata: 1\r\n")
+        await writer.drain()
+        await more.wait()
+        writer.write(b"7\r\ndata: 2\r\n0\r\n\r\n")
+
+    async with Backend(stream) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert response.content_type == "text/event-stream"
+        assert await response.readany() == b"data: 1"  # before the backend sent the rest
+        more.set()
+        assert await response.readany() == b"data: 2"
+        assert await response.readany() == b""
+        response.release()
+        upstream.close()
+
+
+async def test_a_backend_silent_mid_body_times_out_by_the_read_timeout() -> None:
+    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Backend(stall) as backend:
+        upstream = pool(read_timeout_s=0.2)
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert await response.readany() == b"abc"
+        with pytest.raises(ReadTimeout) as caught:
+            await response.readany()
+        assert caught.value.kind == "timeout"
+        response.close()
+        upstream.close()
+
+
+async def test_a_backend_dying_mid_body_is_a_disconnect() -> None:
+    async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
+
+    async with Backend(die) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        with pytest.raises(Disconnected):
+            await response.read()
+        response.close()
+        upstream.close()
+
+
+async def test_a_malformed_response_is_a_protocol_error() -> None:
+    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+
+    async with Backend(garbage) as backend:
+        upstream = pool()
+        with pytest.raises(ProtocolError):
+            await upstream.post(backend.url, "/p", [], b"{}")
+        upstream.close()
+
+
+async def test_an_unreachable_backend_is_a_connect_failure() -> None:
+    async with Backend(lambda r, w: asyncio.sleep(0)) as backend:
+        url = backend.url
+    with pytest.raises(ConnectFailed) as caught:
+        await pool().post(url, "/p", [], b"{}")
+    assert caught.value.kind == "connect"
+
+
+async def test_a_header_value_with_a_line_break_is_never_sent() -> None:
+    async with Backend(lambda r, w: asyncio.sleep(0)) as backend:
+        with pytest.raises(ValueError, match="line break"):
+            await pool().post(backend.url, "/p", [("X-A", "1\r\nX-Injected: yes")], b"{}")
+    assert backend.connections == 0
+
+
+async def test_a_path_prefix_in_the_backend_url_goes_before_the_request_path() -> None:
+    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(OK)
+
+    async with Backend(answer) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url + "/engine-a", "/v1/completions?x=1", [], b"{}")
+        await response.read()
+        response.release()
+        upstream.close()
+    assert backend.requests[0].startswith(b"POST /engine-a/v1/completions?x=1 HTTP/1.1\r\n")
