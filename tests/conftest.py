@@ -5,16 +5,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from router.config import config_from_dict
+from router.config import config_from_dict, load_config
 from router.server import RouterServer
 from tests.fault_engine import FaultEngine, start_engines
 
@@ -47,6 +49,47 @@ async def fault_engines() -> AsyncIterator[Callable[..., Awaitable[list[FaultEng
     for engine in started:
         engine.release.set()
         await engine.stop()
+
+
+@pytest.fixture
+async def engines(fault_engines) -> list[FaultEngine]:
+    """Two fault engines in their well-behaved mode."""
+    return await fault_engines("ok", "ok")
+
+
+class Deployment:
+    """A router started from a config file that the test rewrites, as an operator would."""
+
+    def __init__(self, path: Path, server: RouterServer) -> None:
+        self.path = path
+        self.server = server
+
+    def write(self, config: dict[str, Any] | str) -> None:
+        self.path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+
+    async def reload(
+        self, http: aiohttp.ClientSession, headers: dict[str, str]
+    ) -> tuple[int, dict[str, Any]]:
+        async with http.post(f"{self.server.url}/admin/reload", headers=headers) as resp:
+            return resp.status, await resp.json()
+
+
+@pytest.fixture
+async def deploy(tmp_path: Path) -> AsyncIterator[Callable[[dict[str, Any]], Awaitable[Deployment]]]:
+    """Start routers from a config written to a file (so that they can reload it); all stop after."""
+    servers: list[RouterServer] = []
+
+    async def start(config: dict[str, Any]) -> Deployment:
+        path = tmp_path / "kvroute.yaml"
+        path.write_text(yaml.safe_dump(config))
+        server = RouterServer(load_config(path), config_path=str(path))
+        await server.start()
+        servers.append(server)
+        return Deployment(path, server)
+
+    yield start
+    for server in servers:
+        await server.stop()
 
 
 @pytest.fixture

@@ -2,16 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import yaml
 
-from router.config import load_config
 from router.config_view import REDACTED, redact
-from router.server import RouterServer
-from tests.fault_engine import FaultEngine, backends, start_engines
+from tests.fault_engine import FaultEngine, backends
 
 ADMIN_KEY = "ADMINSECRET-3"
 ADMIN = {"Authorization": f"Bearer {ADMIN_KEY}"}
@@ -55,31 +52,9 @@ def seeded_config(engines: list[FaultEngine], **sections: Any) -> dict[str, Any]
     }
 
 
-@pytest.fixture
-async def engines(monkeypatch) -> AsyncIterator[list[FaultEngine]]:
+@pytest.fixture(autouse=True)
+def engine_key_in_env(monkeypatch) -> None:
     monkeypatch.setenv("KVROUTE_TEST_ENGINE_KEY", "ENVSECRET-6")
-    started = await start_engines("ok", "ok")
-    yield started
-    for engine in started:
-        engine.release.set()
-        await engine.stop()
-
-
-@pytest.fixture
-async def deploy(tmp_path) -> AsyncIterator:
-    servers: list[RouterServer] = []
-
-    async def start(config: dict[str, Any]) -> tuple[RouterServer, Any]:
-        path = tmp_path / "kvroute.yaml"
-        path.write_text(yaml.safe_dump(config))
-        server = RouterServer(load_config(path), config_path=str(path))
-        await server.start()
-        servers.append(server)
-        return server, path
-
-    yield start
-    for server in servers:
-        await server.stop()
 
 
 async def get_config(http, url: str, headers: dict[str, str]) -> tuple[int, str]:
@@ -88,7 +63,7 @@ async def get_config(http, url: str, headers: dict[str, str]) -> tuple[int, str]
 
 
 async def test_config_needs_the_admin_key(engines, deploy, http):
-    server, _ = await deploy(seeded_config(engines))
+    server = (await deploy(seeded_config(engines))).server
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sk-TENANTSECRET-1"}):
         async with http.get(f"{server.url}/admin/config", headers=headers) as resp:
             assert resp.status == 401
@@ -96,7 +71,8 @@ async def test_config_needs_the_admin_key(engines, deploy, http):
 
 
 async def test_config_shows_the_running_config_and_no_secret(engines, deploy, http):
-    server, path = await deploy(seeded_config(engines))
+    deployment = await deploy(seeded_config(engines))
+    server, path = deployment.server, deployment.path
     status, text = await get_config(http, server.url, ADMIN)
     assert status == 200
     leaked = [secret for secret in SECRETS if secret in text]
@@ -121,7 +97,8 @@ async def test_config_shows_the_running_config_and_no_secret(engines, deploy, ht
 
 
 async def test_config_reflects_a_reload(engines, deploy, http):
-    server, path = await deploy(seeded_config(engines))
+    deployment = await deploy(seeded_config(engines))
+    server, path = deployment.server, deployment.path
     changed = seeded_config(engines, upstream={"max_attempts": 3}, admin={"key": "ADMINSECRET-NEW"})
     changed["listen"]["drain_timeout_s"] = 5  # needs a restart: the running value stays
     path.write_text(yaml.safe_dump(changed))
@@ -137,9 +114,8 @@ async def test_config_reflects_a_reload(engines, deploy, http):
 
 
 async def test_config_is_served_on_the_separate_admin_port(engines, deploy, http):
-    server, _ = await deploy(
-        seeded_config(engines, admin={"key": ADMIN_KEY, "listen": {"host": "127.0.0.1", "port": 0}})
-    )
+    admin = {"key": ADMIN_KEY, "listen": {"host": "127.0.0.1", "port": 0}}
+    server = (await deploy(seeded_config(engines, admin=admin))).server
     status, text = await get_config(http, server.admin_url, ADMIN)
     assert status == 200
     assert yaml.safe_load(text)["config"]["admin"]["listen"]["host"] == "127.0.0.1"

@@ -3,19 +3,14 @@ ones apply at once without dropping a request in flight."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from pathlib import Path
 from typing import Any
 
 import aiohttp
 import pytest
-import yaml
 
 from router.app import RUNTIME
-from router.config import load_config
-from router.server import RouterServer
 from tests.conftest import eventually, scrape, total, wait_released
-from tests.fault_engine import MODEL, FaultEngine, backends, start_engines
+from tests.fault_engine import MODEL, FaultEngine, backends
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 
@@ -28,47 +23,6 @@ def base_config(engines: list[FaultEngine], **sections: Any) -> dict[str, Any]:
         "admin": {"key": "admin-0123456789"},
         **sections,
     }
-
-
-class Deployment:
-    """A router started from a file that the test rewrites, as an operator would."""
-
-    def __init__(self, path: Path, server: RouterServer) -> None:
-        self.path = path
-        self.server = server
-
-    def write(self, config: dict[str, Any] | str) -> None:
-        self.path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
-
-    async def reload(self, http: aiohttp.ClientSession) -> tuple[int, dict[str, Any]]:
-        async with http.post(f"{self.server.url}/admin/reload", headers=ADMIN) as resp:
-            return resp.status, await resp.json()
-
-
-@pytest.fixture
-async def engines() -> AsyncIterator[list[FaultEngine]]:
-    started = await start_engines("ok", "ok")
-    yield started
-    for engine in started:
-        engine.release.set()
-        await engine.stop()
-
-
-@pytest.fixture
-async def deploy(tmp_path) -> AsyncIterator:
-    servers: list[RouterServer] = []
-
-    async def start(config: dict[str, Any]) -> Deployment:
-        path = tmp_path / "kvroute.yaml"
-        path.write_text(yaml.safe_dump(config))
-        server = RouterServer(load_config(path), config_path=str(path))
-        await server.start()
-        servers.append(server)
-        return Deployment(path, server)
-
-    yield start
-    for server in servers:
-        await server.stop()
 
 
 async def complete(http: aiohttp.ClientSession, url: str, headers: dict[str, str] | None = None):
@@ -93,7 +47,7 @@ async def test_an_invalid_file_keeps_the_running_config_and_says_why(engines, de
     deployment = await deploy(config)
     assert await complete(http, deployment.server.url) == (200, "round_robin")
     deployment.write(bad_file if isinstance(bad_file, str) else {**config, **bad_file})
-    status, payload = await deployment.reload(http)
+    status, payload = await deployment.reload(http, ADMIN)
     assert status == 400
     assert payload["error"]["code"] == "invalid_config"
     assert named in payload["error"]["message"]
@@ -118,7 +72,7 @@ async def test_a_valid_file_applies_policy_limits_keys_and_backends(engines, dep
             "limits": {"tenant_default": {"requests_per_s": 0.01, "request_burst": 4}},
         }
     )
-    status, payload = await deployment.reload(http)
+    status, payload = await deployment.reload(http, ADMIN)
     assert status == 200, payload
     assert payload["restart_required"] == []
     assert {"routing", "backends", "auth", "limits"} <= set(payload["changed"])
@@ -146,7 +100,7 @@ async def test_reload_does_not_drop_in_flight_streams(engines, deploy, http):
         received = await resp.content.readany()
         # The backend serving the stream leaves the config; the policy changes too.
         deployment.write({**base_config([second]), "routing": {"policy": "least_load"}})
-        status, payload = await deployment.reload(http)
+        status, payload = await deployment.reload(http, ADMIN)
         assert status == 200, payload
         async with http.get(f"{url}/admin/backends", headers=ADMIN) as admin:
             assert [b["name"] for b in (await admin.json())["backends"]] == ["f1"]
@@ -170,7 +124,7 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
             "routing": {"policy": "least_load"},
         }
     )
-    status, payload = await deployment.reload(http)
+    status, payload = await deployment.reload(http, ADMIN)
     assert status == 200
     assert payload["restart_required"] == ["listen", "index", "limits.max_body_bytes"]
     assert payload["changed"] == ["routing"]
@@ -195,7 +149,7 @@ async def test_the_admin_key_itself_can_be_rotated(engines, deploy, http, tmp_pa
     config = {**base_config(engines), "admin": {"key_file": str(key_file)}}
     deployment = await deploy(config)
     key_file.write_text("admin-rotated-0123\n")
-    status, payload = await deployment.reload(http)
+    status, payload = await deployment.reload(http, ADMIN)
     assert status == 200 and payload["changed"] == []  # same config; the key file's content changed
     async with http.get(f"{deployment.server.url}/admin/backends", headers=ADMIN) as resp:
         assert resp.status == 401
