@@ -52,36 +52,44 @@ _TOO_MANY_HEADERS = "Too many headers"
 _INVALID_HEADER = "Invalid header"
 
 
-def parse_error(exc: BaseException | None, handler: web.RequestHandler) -> OpenAIError:
-    """The OpenAI error for a request aiohttp could not parse."""
+#: The message of each parse-error code; ``{h}`` is the connection's handler, holding the limits.
+_MESSAGES = {
+    "request_line_too_long": "Request line longer than {h.max_line_size} bytes (limits.max_line_size).",
+    "header_field_too_large": (
+        "Request header field longer than {h.max_field_size} bytes (limits.max_field_size)."
+    ),
+    "too_many_headers": "More than {h.max_headers} request header fields (limits.max_headers).",
+    "invalid_header": "Invalid HTTP header.",
+    "invalid_request_target": "Invalid request target.",
+    "invalid_request_line": "Malformed HTTP request line.",
+    "malformed_request": "Malformed HTTP request.",
+}
+
+
+def classify(exc: BaseException | None) -> tuple[int, str]:
+    """Status and error code for a request aiohttp could not parse (also what the log names)."""
     if isinstance(exc, LineTooLong):
         line = exc.args[0] if exc.args and isinstance(exc.args[0], (bytes, bytearray)) else b""
         if _REQUEST_LINE.match(line):
-            return OpenAIError(
-                414,
-                f"Request line longer than {handler.max_line_size} bytes (limits.max_line_size).",
-                code="request_line_too_long",
-            )
-        return OpenAIError(
-            431,
-            f"Request header field longer than {handler.max_field_size} bytes (limits.max_field_size).",
-            code="header_field_too_large",
-        )
+            return 414, "request_line_too_long"
+        return 431, "header_field_too_large"
     if isinstance(exc, BadHttpMessage) and exc.message.startswith(_TOO_MANY_HEADERS):
-        return OpenAIError(
-            431,
-            f"More than {handler.max_headers} request header fields (limits.max_headers).",
-            code="too_many_headers",
-        )
+        return 431, "too_many_headers"
     if isinstance(exc, InvalidHeader) or (
         isinstance(exc, BadHttpMessage) and exc.message.startswith(_INVALID_HEADER)
     ):
-        return OpenAIError(400, "Invalid HTTP header.", code="invalid_header")
+        return 400, "invalid_header"
     if isinstance(exc, InvalidURLError):
-        return OpenAIError(400, "Invalid request target.", code="invalid_request_target")
+        return 400, "invalid_request_target"
     if isinstance(exc, BadStatusLine):
-        return OpenAIError(400, "Malformed HTTP request line.", code="invalid_request_line")
-    return OpenAIError(400, "Malformed HTTP request.", code="malformed_request")
+        return 400, "invalid_request_line"
+    return 400, "malformed_request"
+
+
+def parse_error(exc: BaseException | None, handler: web.RequestHandler) -> OpenAIError:
+    """The OpenAI error for a request aiohttp could not parse."""
+    status, code = classify(exc)
+    return OpenAIError(status, _MESSAGES[code].format(h=handler), code=code)
 
 
 class OpenAIErrorHandler(web.RequestHandler):
