@@ -157,7 +157,7 @@ class Proxy:
                 on_first_byte(time.perf_counter())
                 response = await self._stream(request, upstream, first, headers, tap)
             else:
-                response = await self._buffered(upstream, first, headers, tap)
+                response = await self._buffered(request, upstream, first, headers, tap)
             finished = True
             return response
         finally:
@@ -192,7 +192,11 @@ class Proxy:
 
     @staticmethod
     async def _buffered(
-        upstream: UpstreamResponse, first: bytes, headers: CIMultiDict[str], tap: UsageTap | None
+        request: web.Request,
+        upstream: UpstreamResponse,
+        first: bytes,
+        headers: CIMultiDict[str],
+        tap: UsageTap | None,
     ) -> web.Response:
         try:
             data = first + await upstream.read()
@@ -200,7 +204,15 @@ class Proxy:
             raise UpstreamFailed.from_exc(exc) from exc
         if tap is not None:
             tap.body(data)
-        return web.Response(status=upstream.status, body=data, headers=headers)
+        response = web.Response(status=upstream.status, body=data, headers=headers)
+        # Sent here rather than by aiohttp after the handler returns: the dispatcher's
+        # bookkeeping (metrics, circuit, counters) then runs after the client has its answer.
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone(response) from exc
+        return response
 
     async def _stream(
         self,
