@@ -1,6 +1,7 @@
 """Shared state in Redis, measured: does a fleet of router replicas route like one router?
 
     python -m loadtest.bench_redis [--requests 300] [--speedup 10] [--engines 4] [--replicas 4]
+                                   [--lookup-timeout-ms MS]
 
 One invocation replays the same slice of the Mooncake conversation trace (time-compressed,
 streaming) against a fresh simulated fleet for each contender, each router a real
@@ -14,7 +15,8 @@ streaming) against a fresh simulated fleet for each contender, each router a rea
 Requests go to the replicas round robin, as a Kubernetes Service would spread them. The
 table gives the engines' hit ratio (engine-reported cached prompt tokens / prompt tokens),
 TTFT, the routers' p99 decision time (``kvroute_routing_decision_seconds``, merged over
-replicas) and the Redis lookup's p99, all relative to (a) from the same run. Below it: the
+replicas), the Redis lookup's, and the lookups routed on a local view instead (fallbacks,
+of which timeouts), all relative to (a) from the same run. Below it: the
 Redis memory per stored (backend, block) entry and the index's total for the trace.
 
 Everything runs on this machine's loopback; the replay is bounded by the trace slice and
@@ -75,6 +77,8 @@ class Outcome:
     match_p50: float
     match_p99: float
     fallbacks: float
+    #: Lookups past their deadline; the other fallbacks came while Redis counted as down.
+    timeouts: float
 
 
 def prioritize(pid: int, nice: int) -> None:
@@ -91,6 +95,7 @@ def routers(
     redis_url: str | None,
     workdir: Path,
     nice: int,
+    redis_options: dict,
 ) -> Iterator[list[str]]:
     """``contender.replicas`` ``kvroute serve`` processes in front of ``urls``; their base URLs."""
     processes: list[subprocess.Popen[bytes]] = []
@@ -100,7 +105,7 @@ def routers(
             port = free_port()
             index: dict = {"store": contender.store, "backend_capacity_blocks": capacity_blocks}
             if contender.store == "redis":
-                index["redis"] = {"url": redis_url, "namespace": contender.label}
+                index["redis"] = {"url": redis_url, "namespace": contender.label, **redis_options}
             config = {
                 "listen": {"host": "127.0.0.1", "port": port},
                 "backends": [{"name": f"e{j}", "url": u, "models": [MODEL]} for j, u in enumerate(urls)],
@@ -200,9 +205,13 @@ def quantile(buckets: dict[float, float], q: float) -> float:
     return lower
 
 
-def counter_total(families_per_router: Sequence[list], name: str) -> float:
+def counter_total(families_per_router: Sequence[list], name: str, **labels: str) -> float:
     return sum(
-        s.value for families in families_per_router for f in families for s in f.samples if s.name == name
+        s.value
+        for families in families_per_router
+        for f in families
+        for s in f.samples
+        if s.name == name and all(s.labels.get(k) == v for k, v in labels.items())
     )
 
 
@@ -216,7 +225,8 @@ async def run_contender(
     timing = EngineTiming(kv_blocks=args.kv_blocks, prefill_per_token_s=args.prefill_per_token_s)
     capacity = args.kv_blocks * timing.block_tokens // ROUTER_BLOCK_TOKENS
     async with SimFleet(args.engines, timing=timing) as fleet:
-        with routers(contender, fleet.urls, capacity, redis_url, workdir, args.nice) as bases:
+        redis_options = {} if args.lookup_timeout_ms is None else {"timeout_ms": args.lookup_timeout_ms}
+        with routers(contender, fleet.urls, capacity, redis_url, workdir, args.nice, redis_options) as bases:
             async with aiohttp.ClientSession() as http:
                 try:
                     await wait_ready(http, bases)
@@ -240,6 +250,7 @@ async def run_contender(
         match_p50=quantile(matches, 0.5),
         match_p99=quantile(matches, 0.99),
         fallbacks=counter_total(families, "kvroute_redis_fallbacks_total"),
+        timeouts=counter_total(families, "kvroute_redis_errors_total", op="match", kind="timeout"),
     )
 
 
@@ -337,11 +348,12 @@ async def main_async(args: argparse.Namespace) -> int:
                 ms(outcome.match_p50),
                 ms(outcome.match_p99),
                 int(outcome.fallbacks),
+                int(outcome.timeouts),
             ]
         )
     print()
     headers = ["contender", "ok", "failed", "hit ratio", "hit vs (a)", "TTFT p50", "TTFT p99"]
-    headers += ["decision p50", "p99", "redis match p50", "p99", "fallbacks"]
+    headers += ["decision p50", "p99", "redis match p50", "p99", "fallbacks", "timeouts"]
     print(format_table(headers, rows))
     if len(outcomes) > 1 and outcomes[1].contender.store == "redis":
         a, b = outcomes[0], outcomes[1]
@@ -385,6 +397,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kv-blocks", type=int, default=65536, help="KV blocks of 16 tokens per engine")
     parser.add_argument("--prefill-per-token-s", type=float, default=4e-6, help="simulated uncached prefill")
     parser.add_argument("--max-tokens", type=int, default=16, help="cap on each request's output tokens")
+    parser.add_argument(
+        "--lookup-timeout-ms", type=float, help="the routers' index.redis.timeout_ms (default: its default)"
+    )
     parser.add_argument("--contenders", default="abcd", help="which of (a)-(d) to run; (a) is the reference")
     parser.add_argument(
         "--nice",

@@ -47,10 +47,11 @@ def resolve_password(config: RedisConfig) -> str | None:
 
 
 def _connection_kwargs(config: RedisConfig) -> dict[str, Any]:
-    timeout = config.background_timeout_ms / 1000
+    # No socket_timeout on the data connections: every call has its own deadline (RedisLink),
+    # and with one redis-py sends each command through asyncio.wait_for, a task per command.
     kwargs: dict[str, Any] = {
-        "socket_timeout": timeout,
-        "socket_connect_timeout": timeout,
+        "socket_timeout": None,
+        "socket_connect_timeout": config.background_timeout_ms / 1000,
         "retry": Retry(NoBackoff(), 0),
         "password": resolve_password(config),
     }
@@ -83,7 +84,12 @@ def build_client(config: RedisConfig) -> RedisClient:
         return RedisCluster(host=parts.hostname, port=parts.port or 6379, **kwargs)
     if config.sentinels:
         hosts = [(h, int(p)) for h, _, p in (s.rpartition(":") for s in config.sentinels)]
-        sentinel_kwargs = {k: kwargs[k] for k in ("socket_timeout", "socket_connect_timeout", "retry")}
+        timeout = config.background_timeout_ms / 1000
+        sentinel_kwargs = {
+            "socket_timeout": timeout,
+            "socket_connect_timeout": timeout,
+            "retry": kwargs["retry"],
+        }
         sentinel = Sentinel(hosts, sentinel_kwargs=sentinel_kwargs, **kwargs)
         return sentinel.master_for(config.service_name, db=_database(config.url))
     parts = urlsplit(config.url)

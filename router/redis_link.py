@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -24,6 +25,11 @@ from router.config import RedisConfig
 from router.metrics import RedisMetrics
 from router.redis_client import RedisClient
 from router.tasks import stop_task
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as deadline
+else:  # redis-py depends on async-timeout below 3.11.3
+    from async_timeout import timeout as deadline
 
 log = logging.getLogger("kvroute.redis")
 
@@ -56,12 +62,19 @@ class RedisLink:
         metrics.up.set(1)
 
     async def call(self, op: str, fn: Callable[[], Awaitable[T]], timeout_s: float) -> T:
-        """``await fn()`` within ``timeout_s``, or raise RedisUnavailable (counted, maybe tripping)."""
+        """``await fn()`` within ``timeout_s``, or raise RedisUnavailable (counted, maybe tripping).
+
+        The deadline cancels ``fn`` in the calling task: ``asyncio.wait_for`` (before Python
+        3.12) would run it in a task of its own, and the hand-offs between the two tasks cost
+        two extra passes of the event loop per call, which on a busy router took longer than
+        the round trip itself (README, "The Redis benchmark").
+        """
         if not self.up:
             raise RedisUnavailable("redis is down")
         started = time.perf_counter()
         try:
-            result = await asyncio.wait_for(fn(), timeout_s)
+            async with deadline(timeout_s):
+                result = await fn()
         except (asyncio.TimeoutError, RedisError, OSError) as exc:
             kind = _kind(exc)
             self.metrics.errors.labels(op, kind).inc()
@@ -92,7 +105,8 @@ class RedisLink:
             await asyncio.sleep(self.config.retry_interval_s)
             started = time.perf_counter()
             try:
-                await asyncio.wait_for(self.client.ping(), self.config.background_timeout_ms / 1000)
+                async with deadline(self.config.background_timeout_ms / 1000):
+                    await self.client.ping()
             except (asyncio.TimeoutError, RedisError, OSError) as exc:
                 self.metrics.errors.labels("probe", _kind(exc)).inc()
                 continue

@@ -16,9 +16,10 @@ def test_bench_redis_smoke(tmp_path, capsys):
     ]
     trace.write_text("".join(json.dumps(row) + "\n" for row in rows))
     args = ["--trace", str(trace), "--speedup", "20", "--engines", "2", "--replicas", "2"]
-    assert main([*args, "--kv-blocks", "4096", "--contenders", "bc"]) == 0
+    assert main([*args, "--kv-blocks", "4096", "--contenders", "bc", "--lookup-timeout-ms", "50"]) == 0
     out = capsys.readouterr().out
     # Every request answered: ok 8, failed 0 on both rows.
     assert re.search(r"^b_one_redis\s+8\s+0\s", out, re.MULTILINE), out
     assert re.search(r"^c_2_shared_redis\s+8\s+0\s", out, re.MULTILINE), out
+    assert re.search(r"fallbacks\s+timeouts$", out, re.MULTILINE), out
     assert "Redis memory of the index" in out

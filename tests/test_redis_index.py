@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import random
 from collections.abc import AsyncIterator, Callable, Iterator
@@ -14,7 +15,7 @@ from policies.eviction import block_set_factory
 from router.app import build_index
 from router.config import config_from_dict
 from router.index import MemoryIndex
-from router.index.redis import RedisIndex
+from router.index.redis import WARM_CONNECTIONS, RedisIndex
 from router.metrics import RouterMetrics
 from tests.conftest import eventually
 from tests.redis_servers import RedisServer, redis_server
@@ -213,6 +214,20 @@ async def test_slow_redis_times_out_to_the_local_view(server):
         await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
         assert await index.match([5, 6], ["b"]) == {"b": 2}
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 4
+
+
+async def test_connections_are_open_before_the_first_lookup(server):
+    # A lookup that must connect first pays a connect and a handshake on the request path.
+    admin = server.client()
+    async with open_index({"url": server.url}) as (index, metrics):
+        assert admin.info("clients")["connected_clients"] >= WARM_CONNECTIONS + 1  # + admin
+        connections = admin.info("stats")["total_connections_received"]
+        index.record("b", [5, 6])
+        await index.flush()
+        results = await asyncio.gather(*(index.match([5, 6], ["b"]) for _ in range(WARM_CONNECTIONS)))
+        assert results == [{"b": 2}] * WARM_CONNECTIONS
+        assert sample(metrics, "kvroute_redis_fallbacks_total") == 0
+        assert admin.info("stats")["total_connections_received"] == connections
 
 
 async def test_password_auth(tmp_path, monkeypatch):

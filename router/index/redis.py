@@ -34,6 +34,8 @@ from router.tasks import stop_task
 
 #: Eviction policies the Redis scripts implement (the score of a block in a backend's ZSET).
 EVICTIONS = ("lru", "lfu", "ttl")
+#: Connections opened at start: enough for the lookups of a burst of requests to find one open.
+WARM_CONNECTIONS = 8
 #: How often the shared index's per-backend sizes are re-read for ``size``/``blocks_of``.
 SIZE_REFRESH_S = 1.0
 
@@ -69,12 +71,23 @@ class RedisIndex(PrefixIndex):
         self._wake = asyncio.Event()
         if self._pending or self._deleted:
             self._wake.set()  # queued before start (the first scrape may re-size capacities)
-        with contextlib.suppress(RedisUnavailable):
-            await self.link.call("probe", self.link.client.ping, self._background_timeout)
+        await self._warm(WARM_CONNECTIONS)
         self._tasks = [
             asyncio.create_task(self._write_loop(), name="kvroute-redis-writer"),
             asyncio.create_task(self._refresh_loop(), name="kvroute-redis-sizes"),
         ]
+
+    async def _warm(self, connections: int) -> None:
+        """Open ``connections`` pooled connections, one ping each, before the first request.
+
+        A lookup that finds no open connection pays a connect and a handshake on top of its
+        round trip; the first burst of requests would otherwise all do so at once.
+        """
+        pings = (
+            self.link.call("probe", self.link.client.ping, self._background_timeout)
+            for _ in range(connections)
+        )
+        await asyncio.gather(*pings, return_exceptions=True)
 
     @property
     def _background_timeout(self) -> float:
