@@ -1,6 +1,6 @@
 """Precise routing (KV events) against approximate routing and SGLang's router, on a Mooncake slice.
 
-    python -m loadtest.bench_precise --minutes 3 --speedup 10 --engines 4 --capacity 300000
+    python -m loadtest.bench_precise --minutes 3 --speedup 10 --engines 4 --capacity 300000 --seeds 7,8
 
 Two scenarios, each run with every contender on fresh engines (their own process, publishing
 KV events in vLLM's format) and a fresh router process:
@@ -24,6 +24,14 @@ every prediction is exact, lower for over- and under-estimates alike.
 
 Prompts are sent as completions (``prompt`` = :func:`loadtest.trace.prompt_text`), so both of
 kvroute's modes and SGLang see the trace's prefixes as plain text.
+
+**Seeds** (``--seeds 7,8,9``): each scenario and contender runs once per seed (the seed picks
+which requests go around the router, and to which engine; in the routing scenario it is a plain
+repeat), in an order that rotates from seed to seed. Figures are pooled over the seeds, and
+each seed's own TTFT p99 is shown beside the pooled one: a p99 over a few hundred requests is
+their few slowest, so one queueing incident moves it by a tenth or more. ``--outcomes FILE``
+keeps every request's outcome (backend, prompt, cached and predicted tokens, TTFT) as JSON
+lines, to look into a tail.
 
 Everything shares this machine's CPUs: compare contenders within one run, as ratios.
 """
@@ -76,6 +84,10 @@ class Outcome:
     cached_tokens: int = 0
     #: The router's prediction for the backend it chose (None: no header, or sent directly).
     predicted: int | None = None
+    #: The backend that served it (the router's ``x-kvroute-backend``, or the engine sent to).
+    backend: str | None = None
+    #: Position of the request in the trace slice.
+    position: int = -1
 
 
 @dataclass(frozen=True)
@@ -86,6 +98,8 @@ class Row:
     missing: str | None = None
     #: CPU seconds the router process used over the run (its own work: routing, events, proxying).
     router_cpu_s: float = math.nan
+    #: The seed of the run (which requests go around the router, and to which engine).
+    seed: int = 0
 
 
 # -- the engines' process ------------------------------------------------------------------------
@@ -112,7 +126,9 @@ def _engines(ports: Sequence[int], capacity_tokens: int) -> Contender:
 # -- the routers -------------------------------------------------------------------------------
 
 
-def _kvroute(name: str, policy: str, capacity_tokens: int, urls: Sequence[str], workdir: Path) -> Contender:
+def _kvroute(
+    name: str, policy: str, params: str, capacity_tokens: int, urls: Sequence[str], workdir: Path
+) -> Contender:
     port = free_port()
     if name == "precise":
         index = "{mode: events, tokenizer: {kind: chunk}, events: {block_size: 16}}"
@@ -121,7 +137,7 @@ def _kvroute(name: str, policy: str, capacity_tokens: int, urls: Sequence[str], 
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         "log_level: warning",
-        f"routing: {{policy: {policy}, seed: 1}}",
+        f"routing: {{policy: {policy}, seed: 1, params: {params}}}",
         f"index: {index}",
         "health: {interval_s: 1.0}",
         "backends:",
@@ -160,7 +176,13 @@ async def _ready(url: str, subscriptions: int, timeout: float) -> None:
 
 
 async def _stream(
-    session: aiohttp.ClientSession, url: str, request: TraceRequest, routed: bool, timeout_s: float
+    session: aiohttp.ClientSession,
+    url: str,
+    request: TraceRequest,
+    routed: bool,
+    timeout_s: float,
+    position: int = -1,
+    engine: str | None = None,
 ) -> Outcome:
     body = {
         "model": MODEL,
@@ -177,8 +199,9 @@ async def _stream(
             f"{url}/v1/completions", json=body, timeout=aiohttp.ClientTimeout(total=timeout_s)
         ) as resp:
             header = resp.headers.get("x-kvroute-matched-tokens")
+            backend = resp.headers.get("x-kvroute-backend") if routed else engine
             if resp.status != 200:
-                return Outcome(False, routed, None)
+                return Outcome(False, routed, None, position=position)
             async for raw in resp.content:
                 line = raw.strip()
                 if not line.startswith(b"data:") or line == b"data: [DONE]":
@@ -188,10 +211,11 @@ async def _stream(
                     ttft = time.perf_counter() - started
                 usage = chunk.get("usage") or usage
     except (aiohttp.ClientError, asyncio.TimeoutError):
-        return Outcome(False, routed, ttft)
+        return Outcome(False, routed, ttft, position=position)
     cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
     predicted = int(header) if header is not None and routed else None
-    return Outcome(True, routed, ttft, usage.get("prompt_tokens", 0), cached, predicted)
+    prompt = usage.get("prompt_tokens", 0)
+    return Outcome(True, routed, ttft, prompt, cached, predicted, backend, position)
 
 
 async def _replay(
@@ -204,20 +228,27 @@ async def _replay(
 ) -> list[Outcome]:
     """Every request at its compressed arrival time; a seeded share goes straight to an engine."""
     rng = random.Random(seed)
-    targets = [
-        (engine_urls[rng.randrange(len(engine_urls))], False) if rng.random() < scenario.direct_share else
-        (router_url, True)
-        for _ in requests
-    ]  # fmt: skip
+
+    def target() -> tuple[str, bool, str | None]:
+        if rng.random() < scenario.direct_share:
+            i = rng.randrange(len(engine_urls))
+            return engine_urls[i], False, f"e{i}"
+        return router_url, True, None
+
+    targets = [target() for _ in requests]
     connector = aiohttp.TCPConnector(limit=0)
     async with aiohttp.ClientSession(connector=connector) as session:
         start = time.perf_counter()
 
-        async def one(request: TraceRequest, url: str, routed: bool) -> Outcome:
+        async def one(
+            position: int, request: TraceRequest, url: str, routed: bool, engine: str | None
+        ) -> Outcome:
             await asyncio.sleep(max(0.0, start + request.arrival_s / speedup - time.perf_counter()))
-            return await _stream(session, url, request, routed, timeout_s=300.0)
+            return await _stream(session, url, request, routed, 300.0, position, engine)
 
-        return await asyncio.gather(*(one(r, *t) for r, t in zip(requests, targets, strict=True)))
+        return await asyncio.gather(
+            *(one(i, r, *t) for i, (r, t) in enumerate(zip(requests, targets, strict=True)))
+        )
 
 
 def run(
@@ -226,6 +257,7 @@ def run(
     requests: Sequence[TraceRequest],
     args: argparse.Namespace,
     workdir: Path,
+    seed: int,
 ) -> Row:
     ports = [free_port() for _ in range(args.engines)]
     urls = [f"http://127.0.0.1:{p}" for p in ports]
@@ -233,9 +265,9 @@ def run(
     if contender == "sglang":
         router = sglang(urls, None)
     else:
-        router = _kvroute(contender, args.policy, scenario.capacity_tokens, urls, workdir)
+        router = _kvroute(contender, args.policy, args.policy_params, scenario.capacity_tokens, urls, workdir)
     if router.missing:
-        return Row(scenario.name, router.name, [], router.missing)
+        return Row(scenario.name, router.name, [], router.missing, seed=seed)
     try:
         engines.start(workdir)
         for port in ports:
@@ -246,10 +278,12 @@ def run(
         asyncio.run(_ready(url, args.engines if contender == "precise" else 0, 60.0))
         assert router.pid is not None
         cpu_before = cpu_seconds(router.pid)
-        outcomes = asyncio.run(_replay(url, urls, requests, scenario, args.speedup, args.seed))
-        return Row(scenario.name, router.name, outcomes, router_cpu_s=cpu_seconds(router.pid) - cpu_before)
+        outcomes = asyncio.run(_replay(url, urls, requests, scenario, args.speedup, seed))
+        cpu = cpu_seconds(router.pid) - cpu_before
+        return Row(scenario.name, router.name, outcomes, router_cpu_s=cpu, seed=seed)
     except RuntimeError as exc:
-        return Row(scenario.name, router.name, [], f"{exc}; {router.log_tail() or engines.log_tail()}")
+        reason = f"{exc}; {router.log_tail() or engines.log_tail()}"
+        return Row(scenario.name, router.name, [], reason, seed=seed)
     finally:
         router.stop()
         engines.stop()
@@ -271,8 +305,9 @@ class Figures:
     reported: int
 
 
-def figures(row: Row) -> Figures:
-    routed = [o for o in row.outcomes if o.routed]
+def figures(outcomes: Sequence[Outcome]) -> Figures:
+    """Figures over the routed requests among ``outcomes`` (one run's, or several pooled)."""
+    routed = [o for o in outcomes if o.routed]
     good = [o for o in routed if o.ok]
     ttfts = [o.ttft for o in good if o.ttft is not None]
     prompt = sum(o.prompt_tokens for o in good)
@@ -296,18 +331,55 @@ def _ratio(a: float, b: float) -> str:
     return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
 
 
-def print_report(rows: Sequence[Row]) -> None:
-    table = []
-    figs: dict[tuple[str, str], Figures] = {}
+def _span(values: Sequence[float], fmt: str) -> str:
+    """``low-high`` of per-seed values (one value alone when there is one seed)."""
+    low, high = min(values), max(values)
+    return format(low, fmt) if len(values) == 1 else f"{format(low, fmt)}-{format(high, fmt)}"
+
+
+@dataclass(frozen=True)
+class Pooled:
+    """One scenario and contender over every seed: pooled figures and each seed's own p99."""
+
+    figures: Figures
+    #: Each seed's TTFT p99 (seconds), by seed.
+    p99_by_seed: dict[int, float]
+    cpu_s: float
+
+
+def pool(rows: Sequence[Row]) -> dict[tuple[str, str], Pooled]:
+    """Rows of the same scenario and contender, pooled over seeds (runs that failed to start left out)."""
+    groups: dict[tuple[str, str], list[Row]] = {}
     for row in rows:
+        if not row.missing:
+            groups.setdefault((row.scenario, row.contender), []).append(row)
+    return {
+        key: Pooled(
+            figures([o for r in runs for o in r.outcomes]),
+            {r.seed: figures(r.outcomes).ttft_p99 for r in runs},
+            sum(r.router_cpu_s for r in runs) / len(runs),
+        )
+        for key, runs in groups.items()
+    }
+
+
+def print_report(rows: Sequence[Row]) -> None:
+    pooled = pool(rows)
+    table = []
+    for row in rows:
+        key = (row.scenario, row.contender)
         if row.missing:
-            table.append([row.scenario, row.contender, *["-"] * 8, f"not run: {row.missing}"])
+            table.append([row.scenario, row.contender, *["-"] * 9, f"not run: {row.missing}"])
             continue
-        f = figs[row.scenario, row.contender] = figures(row)
+        if key not in pooled:
+            continue
+        p = pooled.pop(key)
+        f = p.figures
         accuracy = "-" if math.isnan(f.accuracy) else f"{f.accuracy:.3f}"
         judged = f"{f.predicted:,} / {f.reported:,}" if not math.isnan(f.accuracy) else "-"
         ms = [f"{x * 1000:.0f}" for x in (f.ttft_mean, f.ttft_p50, f.ttft_p99)]
-        cpu = f"{row.router_cpu_s:.1f}"
+        seeds = _span([v * 1000 for v in p.p99_by_seed.values()], ".0f")
+        cpu = f"{p.cpu_s:.1f}"
         table.append(
             [
                 row.scenario,
@@ -316,27 +388,62 @@ def print_report(rows: Sequence[Row]) -> None:
                 f.failed,
                 f"{f.hit_ratio:.1%}",
                 *ms,
+                seeds,
                 cpu,
                 accuracy,
                 judged,
             ]
         )
     heads = ["scenario", "contender", "routed", "failed", "hit ratio", "TTFT mean ms", "p50", "p99"]
-    print(format_table([*heads, "router CPU s", "accuracy", "predicted / reported tokens"], table))
+    tail = ["p99 per seed", "router CPU s/run", "accuracy", "predicted / reported tokens"]
+    print(format_table([*heads, *tail], table))
 
+    pooled = pool(rows)
     ratios = []
     for scenario in dict.fromkeys(row.scenario for row in rows):
-        precise = figs.get((scenario, "kvroute precise"))
+        precise = pooled.get((scenario, "kvroute precise"))
         if precise is None:
             continue
         for other in ("kvroute approximate", "sglang cache_aware"):
-            base = figs.get((scenario, other))
-            if base is not None:
-                hit = _ratio(precise.hit_ratio, base.hit_ratio)
-                ratios.append([scenario, f"precise vs {other}", hit, _ratio(precise.ttft_p99, base.ttft_p99)])
+            base = pooled.get((scenario, other))
+            if base is None:
+                continue
+            pf, bf = precise.figures, base.figures
+            per_seed = [
+                precise.p99_by_seed[s] / base.p99_by_seed[s]
+                for s in precise.p99_by_seed
+                if base.p99_by_seed.get(s)
+            ]
+            spread = _span(per_seed, ".2f") + "x" if per_seed else "-"
+            hit, mean, p99 = (
+                _ratio(pf.hit_ratio, bf.hit_ratio),
+                _ratio(pf.ttft_mean, bf.ttft_mean),
+                _ratio(pf.ttft_p99, bf.ttft_p99),
+            )
+            ratios.append([scenario, f"precise vs {other}", hit, mean, p99, spread])
     if ratios:
         print()
-        print(format_table(["scenario", "ratio", "hit ratio", "TTFT p99"], ratios))
+        heads = ["scenario", "ratio", "hit ratio", "TTFT mean", "TTFT p99", "p99 per seed"]
+        print(format_table(heads, ratios))
+
+
+def write_outcomes(rows: Sequence[Row], path: Path) -> None:
+    """Every request's outcome, one JSON object a line, for looking into a tail."""
+    with open(path, "wb") as out:
+        for row in rows:
+            for o in row.outcomes:
+                record = {"scenario": row.scenario, "contender": row.contender, "seed": row.seed, **vars(o)}
+                out.write(orjson.dumps(record) + b"\n")
+
+
+def run_order(contenders: Sequence[str], seeds: Sequence[int]) -> list[tuple[int, str]]:
+    """Every contender once per seed; each seed starts with the next contender, so that a slow
+    spell of the shared machine (other work, a warm-up) does not always fall on the same one."""
+    order = []
+    for turn, seed in enumerate(seeds):
+        shift = turn % len(contenders)
+        order.extend((seed, c) for c in [*contenders[shift:], *contenders[:shift]])
+    return order
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -358,7 +465,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scenarios", default="routing,stale")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="of approximate, precise, sglang")
     parser.add_argument("--policy", default="prefix_aware", help="kvroute's routing policy (both modes)")
-    parser.add_argument("--seed", type=int, default=7)
+    parser.add_argument(
+        "--policy-params", default="{}", help="its parameters, a YAML flow mapping (both modes; default {})"
+    )
+    parser.add_argument(
+        "--seeds",
+        default="7",
+        help="comma-separated; each scenario and contender runs once per seed, figures pooled (default 7)",
+    )
+    parser.add_argument("--outcomes", type=Path, help="write every request's outcome here (JSON lines)")
     parser.add_argument("--serve-engines", help=argparse.SUPPRESS)
     parser.add_argument("--kv-blocks", type=int, default=4096, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -367,11 +482,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             asyncio.run(_serve_engines([int(p) for p in args.serve_engines.split(",")], args.kv_blocks))
         return 0
 
-    # SIGTERM unwinds like Ctrl-C, so every engine and router process started is stopped.
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     contenders = [c for c in args.contenders.split(",") if c]
+    try:
+        seeds = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        seeds = []
     if any(c not in CONTENDERS for c in contenders) or args.engines < 1 or not 0 <= args.direct_share < 1:
         parser.error(f"contenders: of {', '.join(CONTENDERS)}; engines >= 1; direct-share in [0, 1)")
+    if not seeds:
+        parser.error("seeds: one or more integers, comma-separated")
+    # SIGTERM unwinds like Ctrl-C, so every engine and router process started is stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     scenarios = {
         "routing": Scenario("routing", args.capacity, 0.0),
         "stale": Scenario("stale", args.stale_capacity, args.direct_share),
@@ -398,15 +519,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-precise-") as tmp:
         for scenario in chosen:
-            for contender in contenders:
+            for seed, contender in run_order(contenders, seeds):
                 began = time.perf_counter()
-                row = run(scenario, contender, requests, args, Path(tmp))
+                row = run(scenario, contender, requests, args, Path(tmp), seed)
                 state = "not run" if row.missing else f"{time.perf_counter() - began:.0f} s"
-                print(f"  {scenario.name} / {row.contender}: {state}", flush=True)
+                print(f"  {scenario.name} / {row.contender} / seed {seed}: {state}", flush=True)
                 rows.append(row)
+    if args.outcomes:
+        write_outcomes(rows, args.outcomes)
     print()
     print_report(rows)
-    return 0 if all(not r.missing and figures(r).failed == 0 for r in rows) else 1
+    return 0 if all(not r.missing and figures(r.outcomes).failed == 0 for r in rows) else 1
 
 
 if __name__ == "__main__":
