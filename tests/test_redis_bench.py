@@ -21,5 +21,7 @@ def test_bench_redis_smoke(tmp_path, capsys):
     # Every request answered: ok 8, failed 0 on both rows.
     assert re.search(r"^b_one_redis\s+8\s+0\s", out, re.MULTILINE), out
     assert re.search(r"^c_2_shared_redis\s+8\s+0\s", out, re.MULTILINE), out
-    assert re.search(r"fallbacks\s+timeouts$", out, re.MULTILINE), out
+    assert re.search(r"fallbacks\s+timeouts\s+at rest p50\s+p99$", out, re.MULTILINE), out
+    # The at-rest columns hold figures: the 8 requests sent again one at a time were timed.
+    assert re.search(r"^b_one_redis\s.*\s\d+\.\d+ ms\s+\d+\.\d+ ms$", out, re.MULTILINE), out
     assert "Redis memory of the index" in out
