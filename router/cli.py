@@ -54,7 +54,7 @@ def _sim(args: argparse.Namespace) -> int:
 
     logging.basicConfig(level=logging.INFO)
     timing = EngineTiming(kv_blocks=args.kv_blocks) if args.kv_blocks else EngineTiming()
-    _run(serve_fleet(args.engines, args.host, args.port, timing))
+    _run(serve_fleet(args.engines, args.host, args.port, timing, kv_events=args.kv_events))
     return 0
 
 
@@ -128,6 +128,11 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--host", default="127.0.0.1")
     sim.add_argument("--port", type=int, default=8001, help="port of the first engine; the rest follow")
     sim.add_argument("--kv-blocks", type=int, default=0, help="prefix cache capacity per engine, in blocks")
+    sim.add_argument(
+        "--kv-events",
+        choices=("vllm", "sglang"),
+        help="also publish KV cache events over ZMQ in this engine's format (for index.mode: events)",
+    )
     sim.set_defaults(func=_sim)
 
     simulate = commands.add_parser(

@@ -107,3 +107,52 @@ def test_sim_and_serve_work_together(tmp_path: Path, processes):
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert resp.headers["x-kvroute-backend"] in {"a", "b"}
         assert json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(("kind", "discovery"), [("vllm", "/kv_event_sources"), ("sglang", "/server_info")])
+def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
+    """``kvroute sim --kv-events``: the engine names its ZMQ endpoint where that engine does, and a
+    request's stored blocks arrive there as an event batch the router's decoder reads."""
+    import zmq
+
+    from router.kv_events.decode import BlockStored, decode_batch, parse_live
+
+    port = free_port_pair()
+    processes.append(
+        subprocess.Popen([*KVROUTE, "sim", "--engines", "1", "--port", str(port), "--kv-events", kind])
+    )
+    engine = f"http://127.0.0.1:{port}"
+    wait_until_up(f"{engine}/health")
+    described = json.loads(get(f"{engine}{discovery}")[1])
+    if kind == "vllm":
+        endpoint = described["0"]["endpoint"]
+    else:
+        events = described["kv_events"]
+        endpoint = f"tcp://{events['endpoint_host']}:{events['endpoint_port_base']}"
+    context = zmq.Context()
+    subscriber = context.socket(zmq.SUB)
+    subscriber.setsockopt(zmq.SUBSCRIBE, b"")
+    subscriber.connect(endpoint.replace("*", "127.0.0.1"))
+    try:
+        stored = []
+        deadline = time.monotonic() + 10
+        attempt = 0
+        while not stored and time.monotonic() < deadline:
+            # A new prompt until a batch arrives: a SUB socket misses what is published before it
+            # joined, and a prompt already cached stores nothing new.
+            attempt += 1
+            body = {"model": "sim-model", "prompt": f"prompt {attempt} " * 50, "max_tokens": 1}
+            request = urllib.request.Request(
+                f"{engine}/v1/completions",
+                data=json.dumps(body).encode(),
+                headers={"Content-Type": "application/json"},
+            )
+            with urllib.request.urlopen(request, timeout=10) as resp:
+                resp.read()
+            if subscriber.poll(500):
+                _, payload = parse_live(subscriber.recv_multipart())
+                stored = [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+        assert stored and stored[0].token_ids
+    finally:
+        subscriber.close(linger=0)
+        context.term()

@@ -87,9 +87,14 @@ async def serve_fleet(
     port: int = 8100,
     timing: EngineTiming | None = None,
     models: Sequence[str] = ("sim-model",),
+    kv_events: Format | None = None,
 ) -> None:
-    """Run ``count`` engines on ``port``, ``port + 1``, ... and print their URLs; return when cancelled."""
-    async with SimFleet(count, host, port, timing, models) as fleet:
+    """Run ``count`` engines on ``port``, ``port + 1``, ... and print their URLs (and KV event
+    endpoints, with ``kv_events``); return when cancelled."""
+    async with SimFleet(count, host, port, timing, models, kv_events) as fleet:
         for engine in fleet.engines:
-            print(f"{engine.name}: {engine.url}  (models: {', '.join(engine.models)})", flush=True)
+            line = f"{engine.name}: {engine.url}  (models: {', '.join(engine.models)})"
+            if engine.publisher is not None:
+                line += f"  KV events: {engine.publisher.endpoint}, replay {engine.publisher.replay_endpoint}"
+            print(line, flush=True)
         await asyncio.Event().wait()
