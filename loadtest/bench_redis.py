@@ -87,10 +87,12 @@ class Outcome:
     rest_p99: float
 
 
-def prioritize(pid: int, nice: int) -> None:
-    """Give ``pid`` the scheduling priority ``nice`` (0: leave it)."""
+def prioritize(pid: int, nice: int, cpus: set[int] | None = None) -> None:
+    """Give ``pid`` the scheduling priority ``nice`` (0: leave it) and the CPUs ``cpus`` (None: any)."""
     if nice:
         os.setpriority(os.PRIO_PROCESS, pid, nice)
+    if cpus:
+        os.sched_setaffinity(pid, cpus)
 
 
 @contextlib.contextmanager
@@ -102,6 +104,7 @@ def routers(
     workdir: Path,
     nice: int,
     redis_options: dict,
+    cpus: set[int] | None = None,
 ) -> Iterator[list[str]]:
     """``contender.replicas`` ``kvroute serve`` processes in front of ``urls``; their base URLs."""
     processes: list[subprocess.Popen[bytes]] = []
@@ -129,7 +132,7 @@ def routers(
                         stderr=subprocess.STDOUT,
                     )
                 )
-            prioritize(processes[-1].pid, nice)
+            prioritize(processes[-1].pid, nice, cpus)
             bases.append(f"http://127.0.0.1:{port}")
         yield bases
     finally:
@@ -243,8 +246,13 @@ async def run_contender(
     timing = EngineTiming(kv_blocks=args.kv_blocks, prefill_per_token_s=args.prefill_per_token_s)
     capacity = args.kv_blocks * timing.block_tokens // ROUTER_BLOCK_TOKENS
     async with SimFleet(args.engines, timing=timing) as fleet:
-        redis_options = {} if args.lookup_timeout_ms is None else {"timeout_ms": args.lookup_timeout_ms}
-        with routers(contender, fleet.urls, capacity, redis_url, workdir, args.nice, redis_options) as bases:
+        redis_options: dict[str, float] = {}
+        if args.lookup_timeout_ms is not None:
+            redis_options["timeout_ms"] = args.lookup_timeout_ms
+        if args.write_batch_blocks is not None:
+            redis_options["write_batch_blocks"] = args.write_batch_blocks
+        placement = (workdir, args.nice, redis_options, args.router_cpus)
+        with routers(contender, fleet.urls, capacity, redis_url, *placement) as bases:
             async with aiohttp.ClientSession() as http:
                 try:
                     await wait_ready(http, bases)
@@ -336,8 +344,15 @@ async def main_async(args: argparse.Namespace) -> int:
     )
     outcomes: list[Outcome] = []
     memory_rows = []
+    if args.router_cpus:
+        # The fleet and the client (this process) keep off the routers' and Redis's CPUs.
+        others = os.sched_getaffinity(0) - args.router_cpus
+        if not others or not args.router_cpus <= os.sched_getaffinity(0):
+            print("bench_redis: --router-cpus must name some, not all, of the CPUs", file=sys.stderr)
+            return 2
+        os.sched_setaffinity(0, others)
     server = RedisServer().start()
-    prioritize(server.process.pid, args.nice)
+    prioritize(server.process.pid, args.nice, args.router_cpus)
     try:
         with tempfile.TemporaryDirectory(prefix="kvroute-bench-redis-") as tmp:
             for contender in contenders:
@@ -425,6 +440,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--lookup-timeout-ms", type=float, help="the routers' index.redis.timeout_ms (default: its default)"
     )
+    parser.add_argument(
+        "--write-batch-blocks",
+        type=int,
+        help="the routers' index.redis.write_batch_blocks (default: its default)",
+    )
     parser.add_argument("--contenders", default="abcd", help="which of (a)-(d) to run; (a) is the reference")
     parser.add_argument(
         "--nice",
@@ -432,6 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=0,
         help="scheduling priority (e.g. -10, as root) of the routers and redis-server, standing in for "
         "the cores of their own they have in production; engines and load generator keep theirs",
+    )
+    parser.add_argument(
+        "--router-cpus",
+        type=lambda text: {int(cpu) for cpu in text.split(",")},
+        help="CPUs (e.g. 1) for the routers and redis-server alone; the fleet and the client get the "
+        "others: the cores of their own that routers have in production",
     )
     return parser
 
