@@ -124,9 +124,6 @@ class _Connection(asyncio.Protocol):
         except httptools.HttpParserError as exc:
             self._fail(ProtocolError(f"malformed response: {exc}"))
 
-    def eof_received(self) -> bool:
-        return False
-
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
         if self.head_done and self._until_eof and exc is None:
@@ -135,12 +132,6 @@ class _Connection(asyncio.Protocol):
             detail = f": {exc}" if exc else ""
             self._error = self._error or Disconnected(f"the backend closed the connection{detail}")
         self._wake()
-
-    def pause_writing(self) -> None:
-        """Requests are written whole at once; the kernel's buffer takes what it can."""
-
-    def resume_writing(self) -> None:
-        """See pause_writing."""
 
     # httptools callbacks
 
