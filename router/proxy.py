@@ -44,6 +44,9 @@ _NOT_FORWARDED = frozenset(
         "Upgrade",
         "Host",
         "Content-Length",
+        # The router read the whole body before choosing a backend: a client's 100-continue
+        # expectation was met there, and the engine gets the body with the request head.
+        "Expect",
     )
 )
 

@@ -190,12 +190,13 @@ async def test_upstream_credentials_replace_the_clients_and_never_leak(engine, m
         "Connection": "keep-alive, X-Hop-Secret",
         "X-Hop-Secret": "hop",
         "X-Custom": "kept",
+        "Expect": "100-continue",
     }
     status, response_headers, payload = await complete(http, router.url, headers, prompt=secret_prompt)
     assert status == 200
     seen = {k.lower(): v for k, v in engine.seen[-1].items()}
     assert seen["authorization"] == "Bearer engine-secret-0123"
-    assert "proxy-authorization" not in seen and "x-hop-secret" not in seen
+    assert "proxy-authorization" not in seen and "x-hop-secret" not in seen and "expect" not in seen
     assert seen["x-custom"] == "kept"
     assert "engine-secret" not in str(response_headers) + str(payload)
     logged = caplog.text
