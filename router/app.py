@@ -185,6 +185,7 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         ) as session:
             policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
             upstream = UpstreamPool(config.upstream)
+            pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
             app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(upstream), router_metrics)
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)

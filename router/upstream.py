@@ -35,6 +35,8 @@ from router.config import UpstreamConfig
 #: Response bytes buffered before the router stops reading the backend's socket: a slow client
 #: then holds the engine back through TCP instead of filling the router's memory.
 HIGH_WATER = 64 * 1024
+#: Parsed backend URLs kept; past it the cache starts over (discovery replaces pods over time).
+MAX_ORIGINS = 1024
 
 
 class UpstreamError(Exception):
@@ -317,6 +319,8 @@ class UpstreamPool:
         """POST ``body`` to ``base_url`` + ``path`` and return once the status and headers are in."""
         origin = self._origins.get(base_url)
         if origin is None:
+            if len(self._origins) >= MAX_ORIGINS:
+                self._origins.clear()  # backends come and go with discovery; parsing is cheap
             origin = self._origins[base_url] = Origin.parse(base_url)
         request = self._request_head(origin, path, headers, len(body))
         connection = self._reusable(origin)
@@ -338,6 +342,14 @@ class UpstreamPool:
             connection.close()
             raise
         return UpstreamResponse(self, origin, connection)
+
+    def forget(self, base_url: str) -> None:
+        """A backend left the fleet: close its idle connections and drop what was kept for it."""
+        origin = self._origins.pop(base_url, None)
+        if origin is None:
+            return
+        for connection in self._idle.pop(origin, ()):
+            connection.close()
 
     def close(self) -> None:
         """Close every idle connection (those in use close with their exchange)."""
@@ -369,6 +381,7 @@ class UpstreamPool:
             if open_ and connection.idle_since >= fresh_after:
                 return connection
             connection.close()
+        del self._idle[origin]  # no entry lingers for a backend that is gone
         return None
 
     def _put(self, origin: Origin, connection: _Connection) -> None:

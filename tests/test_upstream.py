@@ -9,6 +9,7 @@ import pytest
 
 from router.config import UpstreamConfig
 from router.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
+from tests.conftest import eventually
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -21,6 +22,7 @@ class Backend:
     def __init__(self, script: Script) -> None:
         self.script = script
         self.connections = 0
+        self.closed = 0
         self.requests: list[bytes] = []
         self.server: asyncio.base_events.Server | None = None
 
@@ -56,6 +58,7 @@ class Backend:
             pass
         finally:
             writer.close()
+            self.closed += 1
 
 
 def pool(**overrides: float) -> UpstreamPool:
@@ -132,6 +135,26 @@ async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
             await asyncio.sleep(0.1)
         upstream.close()
     assert backend.connections == 2
+
+
+async def test_a_backend_that_left_the_fleet_has_its_idle_connections_closed() -> None:
+    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await backend.read_request(reader)
+            writer.write(OK)
+
+    async with Backend(keep_alive) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        await response.read()
+        response.release()
+        assert backend.closed == 0
+        upstream.forget(backend.url)
+
+        async def closed() -> bool:
+            return backend.closed == 1
+
+        await eventually(closed)
 
 
 async def test_connection_close_and_an_end_of_connection_body() -> None:
