@@ -13,7 +13,7 @@ from tests.conftest import eventually
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
-Script = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+Script = Callable[["Backend", asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
 
 
 class Backend:
@@ -53,7 +53,7 @@ class Backend:
     async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         self.connections += 1
         try:
-            await self.script(reader, writer)
+            await self.script(self, reader, writer)
         except (asyncio.IncompleteReadError, ConnectionError):
             pass
         finally:
@@ -61,16 +61,18 @@ class Backend:
             self.closed += 1
 
 
+async def keep_alive(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    """Answer every request on the connection with OK, keeping it open."""
+    while True:
+        await backend.read_request(reader)
+        writer.write(OK)
+
+
 def pool(**overrides: float) -> UpstreamPool:
     return UpstreamPool(UpstreamConfig(**overrides))
 
 
 async def test_sequential_requests_share_one_kept_alive_connection() -> None:
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await backend.read_request(reader)
-            writer.write(OK)
-
     async with Backend(keep_alive) as backend:
         upstream = pool()
         for _ in range(3):
@@ -95,7 +97,9 @@ async def test_a_reused_connection_closed_before_any_answer_is_replaced_once() -
     Scripted here as a backend that answers the first request of a connection and closes on the
     next one without a byte; the router sends it once more on a new connection."""
 
-    async def one_answer_per_connection(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def one_answer_per_connection(
+        backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
         await backend.read_request(reader)
         writer.write(OK)
         await backend.read_request(reader)
@@ -111,7 +115,7 @@ async def test_a_reused_connection_closed_before_any_answer_is_replaced_once() -
 
 
 async def test_a_new_connection_closed_before_any_answer_fails_without_a_second_try() -> None:
-    async def hang_up(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def hang_up(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
 
     async with Backend(hang_up) as backend:
@@ -121,11 +125,6 @@ async def test_a_new_connection_closed_before_any_answer_fails_without_a_second_
 
 
 async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await backend.read_request(reader)
-            writer.write(OK)
-
     async with Backend(keep_alive) as backend:
         upstream = pool(keepalive_s=0.05)
         for _ in range(2):
@@ -138,11 +137,6 @@ async def test_a_connection_idle_longer_than_keepalive_is_not_reused() -> None:
 
 
 async def test_a_backend_that_left_the_fleet_has_its_idle_connections_closed() -> None:
-    async def keep_alive(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await backend.read_request(reader)
-            writer.write(OK)
-
     async with Backend(keep_alive) as backend:
         upstream = pool()
         response = await upstream.post(backend.url, "/p", [], b"{}")
@@ -160,7 +154,7 @@ async def test_a_backend_that_left_the_fleet_has_its_idle_connections_closed() -
 async def test_connection_close_and_an_end_of_connection_body() -> None:
     """A body with neither length nor chunks ends with the connection; that connection is not reused."""
 
-    async def until_eof(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def until_eof(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Type: text/plain\r\n\r\nall of ")
         await writer.drain()
@@ -179,7 +173,7 @@ async def test_connection_close_and_an_end_of_connection_body() -> None:
 async def test_a_chunked_stream_arrives_chunk_by_chunk_as_it_is_sent() -> None:
     more = asyncio.Event()
 
-    async def stream(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def stream(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(
             b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
@@ -202,7 +196,7 @@ async def test_a_chunked_stream_arrives_chunk_by_chunk_as_it_is_sent() -> None:
 
 
 async def test_a_backend_silent_mid_body_times_out_by_the_read_timeout() -> None:
-    async def stall(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def stall(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
         await writer.drain()
@@ -220,7 +214,7 @@ async def test_a_backend_silent_mid_body_times_out_by_the_read_timeout() -> None
 
 
 async def test_a_backend_dying_mid_body_is_a_disconnect() -> None:
-    async def die(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def die(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\nonly part")
 
@@ -234,7 +228,7 @@ async def test_a_backend_dying_mid_body_is_a_disconnect() -> None:
 
 
 async def test_a_malformed_response_is_a_protocol_error() -> None:
-    async def garbage(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def garbage(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(b"NOT HTTP AT ALL\r\n\r\n")
 
@@ -246,7 +240,7 @@ async def test_a_malformed_response_is_a_protocol_error() -> None:
 
 
 async def test_an_unreachable_backend_is_a_connect_failure() -> None:
-    async with Backend(lambda r, w: asyncio.sleep(0)) as backend:
+    async with Backend(lambda b, r, w: asyncio.sleep(0)) as backend:
         url = backend.url
     with pytest.raises(ConnectFailed) as caught:
         await pool().post(url, "/p", [], b"{}")
@@ -254,14 +248,14 @@ async def test_an_unreachable_backend_is_a_connect_failure() -> None:
 
 
 async def test_a_header_value_with_a_line_break_is_never_sent() -> None:
-    async with Backend(lambda r, w: asyncio.sleep(0)) as backend:
+    async with Backend(lambda b, r, w: asyncio.sleep(0)) as backend:
         with pytest.raises(ValueError, match="line break"):
             await pool().post(backend.url, "/p", [("X-A", "1\r\nX-Injected: yes")], b"{}")
     assert backend.connections == 0
 
 
 async def test_a_path_prefix_in_the_backend_url_goes_before_the_request_path() -> None:
-    async def answer(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def answer(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)
         writer.write(OK)
 
