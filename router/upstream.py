@@ -13,7 +13,15 @@ Connection reuse: an idle connection is reused (newest first) only while it has 
 than ``keepalive_s``, kept under the engines' own keep-alive timeout (uvicorn's 5 s, which vLLM
 and SGLang serve with) so the router does not send on a connection the engine is closing. If a
 reused connection still turns out closed before a single response byte came back, the request
-is sent once more on a new connection: the engine closed it idle, so it never saw the request.
+is sent once more on a new connection, provided the loss came within ``REPLAY_WINDOW_S`` of
+sending: the engine closed it idle and never saw the request. A later loss may be an engine
+that worked on the request and failed; it is reported (``disconnect``), and the dispatcher
+decides on a retry elsewhere, counted, within its attempts.
+
+What reaches the proxy is one final response: informational (1xx) responses are skipped,
+trailers dropped, and bytes after the response's end make the connection unfit for reuse.
+Header values are read as UTF-8 (invalid bytes kept as surrogate escapes), as aiohttp's
+server writes them back.
 """
 
 from __future__ import annotations
@@ -37,6 +45,9 @@ from router.config import UpstreamConfig
 HIGH_WATER = 64 * 1024
 #: Parsed backend URLs kept; past it the cache starts over (discovery replaces pods over time).
 MAX_ORIGINS = 1024
+#: A reused connection lost this soon after sending, before any answer byte, is taken for one
+#: the engine closed idle (the request crossed its FIN) and the request is sent once more.
+REPLAY_WINDOW_S = 0.1
 
 
 class UpstreamError(Exception):
@@ -101,6 +112,9 @@ class _Connection(asyncio.Protocol):
         self.complete = False
         self._until_eof = False
         self._keep_alive = False
+        self._informational = False
+        self._sent_at = 0.0
+        self.lost_at: float | None = None
         self.status = 0
         self.reason = ""
         self.raw_headers: list[tuple[str, str]] = []
@@ -119,15 +133,22 @@ class _Connection(asyncio.Protocol):
         if not self.in_exchange:
             self._fail(ProtocolError("the backend sent bytes outside of a response"))
             return
+        if self.complete:
+            self._spoil()
+            return
         self.received = True
         self._last_data = self._loop.time()
         try:
             self._parser.feed_data(data)
         except httptools.HttpParserError as exc:
-            self._fail(ProtocolError(f"malformed response: {exc}"))
+            if self.complete:  # the response is whole; what followed it is not ours to read
+                self._spoil()
+            else:
+                self._fail(ProtocolError(f"malformed response: {exc}"))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
+        self.lost_at = self._loop.time()
         if self.head_done and self._until_eof and exc is None:
             self.complete = True  # a body delimited by the end of the connection
         elif self.in_exchange and not self.complete:
@@ -140,14 +161,26 @@ class _Connection(asyncio.Protocol):
     def on_status(self, reason: bytes) -> None:
         self.reason = reason.decode("latin-1")
 
+    def on_message_begin(self) -> None:
+        if self.complete:
+            raise ProtocolError("a second response in one exchange")
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.raw_headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        if self.head_done:
+            return  # a trailer: not forwarded (the client's response is not chunked by us)
+        self.raw_headers.append((name.decode("latin-1"), value.decode("utf-8", "surrogateescape")))
 
     def on_headers_complete(self) -> None:
-        self.status = self._parser.get_status_code()
+        status = self._parser.get_status_code()
+        if 100 <= status < 200:
+            self._informational = True  # 100 Continue, 103 Early Hints: the answer follows
+            self.raw_headers = []
+            return
+        self.status = status
         self.head_done = True
-        names = {name.lower() for name, _ in self.raw_headers}
-        self._until_eof = "content-length" not in names and "transfer-encoding" not in names
+        headers = {name.lower(): value.lower() for name, value in self.raw_headers}
+        chunked = headers.get("transfer-encoding", "").rstrip().endswith("chunked")
+        self._until_eof = "content-length" not in headers and not chunked
         # Asked here: llhttp forgets it once the message is complete.
         self._keep_alive = self._parser.should_keep_alive()
         self._wake()
@@ -161,6 +194,9 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_message_complete(self) -> None:
+        if self._informational:
+            self._informational = False
+            return
         self.complete = True
         self._wake()
 
@@ -175,6 +211,7 @@ class _Connection(asyncio.Protocol):
             and not self.transport.is_closing()
             and not self._until_eof
             and self._keep_alive
+            and not self._chunks
         )
 
     async def exchange(self, request: bytes, body: bytes) -> None:
@@ -183,7 +220,7 @@ class _Connection(asyncio.Protocol):
         self.in_exchange = True
         self.received = self.head_done = self.complete = self._until_eof = self._keep_alive = False
         self.raw_headers = []
-        self._last_data = self._loop.time()
+        self._last_data = self._sent_at = self._loop.time()
         if len(body) < 16384:
             self.transport.write(request + body)
         else:
@@ -239,6 +276,18 @@ class _Connection(asyncio.Protocol):
         if waiter is not None and not waiter.done():
             waiter.set_result(None)
 
+    def lost_soon_after_sending(self) -> bool:
+        """Lost before any answer byte, within REPLAY_WINDOW_S of sending (see the module docstring)."""
+        return (
+            not self.received and self.lost_at is not None and self.lost_at - self._sent_at < REPLAY_WINDOW_S
+        )
+
+    def _spoil(self) -> None:
+        """Bytes came after the response: keep what was read, never reuse the connection."""
+        self._keep_alive = False
+        if self.transport is not None:
+            self.transport.close()
+
     def _fail(self, error: UpstreamError) -> None:
         self._error = error
         if self.transport is not None:
@@ -261,8 +310,9 @@ class _Connection(asyncio.Protocol):
 class UpstreamResponse:
     """A backend's answer: status and headers at once, the body as it arrives."""
 
-    def __init__(self, pool: UpstreamPool, origin: Origin, connection: _Connection) -> None:
+    def __init__(self, pool: UpstreamPool, base_url: str, origin: Origin, connection: _Connection) -> None:
         self._pool = pool
+        self._base_url = base_url
         self._origin = origin
         self._connection = connection
         self.status = connection.status
@@ -288,7 +338,7 @@ class UpstreamResponse:
         connection = self._connection
         if connection.reusable:
             connection.finish()
-            self._pool._put(self._origin, connection)
+            self._pool._put(self._base_url, self._origin, connection)
         else:
             connection.close()
 
@@ -327,10 +377,10 @@ class UpstreamPool:
         if connection is not None:
             try:
                 await connection.exchange(request, body)
-                return UpstreamResponse(self, origin, connection)
+                return UpstreamResponse(self, base_url, origin, connection)
             except Disconnected:
                 connection.close()
-                if connection.received:
+                if not connection.lost_soon_after_sending():
                     raise
             except BaseException:
                 connection.close()
@@ -341,13 +391,11 @@ class UpstreamPool:
         except BaseException:
             connection.close()
             raise
-        return UpstreamResponse(self, origin, connection)
+        return UpstreamResponse(self, base_url, origin, connection)
 
     def forget(self, base_url: str) -> None:
         """A backend left the fleet: close its idle connections and drop what was kept for it."""
-        origin = self._origins.pop(base_url, None)
-        if origin is None:
-            return
+        origin = self._origins.pop(base_url, None) or Origin.parse(base_url)
         for connection in self._idle.pop(origin, ()):
             connection.close()
 
@@ -384,7 +432,10 @@ class UpstreamPool:
         del self._idle[origin]  # no entry lingers for a backend that is gone
         return None
 
-    def _put(self, origin: Origin, connection: _Connection) -> None:
+    def _put(self, base_url: str, origin: Origin, connection: _Connection) -> None:
+        if self._origins.get(base_url) != origin:
+            connection.close()  # its backend was forgotten while this exchange ran
+            return
         now = time.monotonic()
         connection.idle_since = now
         idle = self._idle.setdefault(origin, deque())

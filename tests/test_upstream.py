@@ -266,3 +266,114 @@ async def test_a_path_prefix_in_the_backend_url_goes_before_the_request_path() -
         response.release()
         upstream.close()
     assert backend.requests[0].startswith(b"POST /engine-a/v1/completions?x=1 HTTP/1.1\r\n")
+
+
+async def test_informational_responses_are_skipped_for_the_final_one() -> None:
+    async def early_hints(
+        backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        await writer.drain()
+        writer.write(b"HTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n" + OK)
+
+    async with Backend(early_hints) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert (response.status, await response.read()) == (200, b"{}")
+        assert "Link" not in response.headers
+        upstream.close()
+
+
+async def test_bytes_after_the_response_stay_out_of_it_and_retire_the_connection() -> None:
+    async def surplus(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await backend.read_request(reader)
+            writer.write(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nEVIL")
+
+    async with Backend(surplus) as backend:
+        upstream = pool()
+        for _ in range(2):
+            response = await upstream.post(backend.url, "/p", [], b"{}")
+            assert await response.read() == b"{}"
+            response.release()
+        upstream.close()
+    assert backend.connections == 2
+
+
+async def test_trailers_are_not_forwarded_as_headers() -> None:
+    async def trailer(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        head = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nTrailer: X-T\r\n\r\n"
+        writer.write(head + b"2\r\n{}\r\n0\r\nX-T: 1\r\n\r\n")
+
+    async with Backend(trailer) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert await response.read() == b"{}"
+        assert "X-T" not in response.headers
+        upstream.close()
+
+
+async def test_header_values_keep_their_utf8() -> None:
+    async def utf8(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nX-Name: caf\xc3\xa9\r\nContent-Length: 2\r\n\r\n{}")
+
+    async with Backend(utf8) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert response.headers["X-Name"] == "café"
+        await response.read()
+        upstream.close()
+
+
+async def test_a_body_to_the_end_of_the_connection_under_a_non_chunked_transfer_coding() -> None:
+    async def identity(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: identity\r\nConnection: close\r\n\r\nall of it")
+
+    async with Backend(identity) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        assert await response.read() == b"all of it"
+        response.release()
+        upstream.close()
+
+
+async def test_a_connection_finishing_after_its_backend_was_forgotten_is_closed_not_pooled() -> None:
+    async with Backend(keep_alive) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        upstream.forget(backend.url)  # the backend leaves the fleet while the answer is read
+        await response.read()
+        response.release()
+
+        async def closed() -> bool:
+            return backend.closed == 1
+
+        await eventually(closed)
+        upstream.close()
+
+
+async def test_a_reused_connection_lost_well_after_sending_is_not_replayed() -> None:
+    """The engine read the request and worked on it before failing: sending it again could run it
+    twice, so the loss is reported and the dispatcher decides (another backend, counted)."""
+
+    async def fail_while_working(
+        backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ) -> None:
+        await backend.read_request(reader)
+        writer.write(OK)
+        await backend.read_request(reader)
+        await asyncio.sleep(0.5)  # well past REPLAY_WINDOW_S
+
+    async with Backend(fail_while_working) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        await response.read()
+        response.release()
+        with pytest.raises(Disconnected):
+            await upstream.post(backend.url, "/p", [], b"{}")
+        upstream.close()
+    assert len(backend.requests) == 2
