@@ -72,6 +72,18 @@ def pool(**overrides: float) -> UpstreamPool:
     return UpstreamPool(UpstreamConfig(**overrides))
 
 
+async def two_requests_in_turn(backend: Backend) -> list[bytes]:
+    """Two requests one after the other through one pool, each read whole and released."""
+    upstream = pool()
+    bodies = []
+    for _ in range(2):
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        bodies.append(await response.read())
+        response.release()
+    upstream.close()
+    return bodies
+
+
 async def test_sequential_requests_share_one_kept_alive_connection() -> None:
     async with Backend(keep_alive) as backend:
         upstream = pool()
@@ -105,12 +117,7 @@ async def test_a_reused_connection_closed_before_any_answer_is_replaced_once() -
         await backend.read_request(reader)
 
     async with Backend(one_answer_per_connection) as backend:
-        upstream = pool()
-        for _ in range(2):
-            response = await upstream.post(backend.url, "/p", [], b"{}")
-            assert await response.read() == b"{}"
-            response.release()
-        upstream.close()
+        assert await two_requests_in_turn(backend) == [b"{}", b"{}"]
     assert backend.connections == 2 and len(backend.requests) == 3
 
 
@@ -161,12 +168,7 @@ async def test_connection_close_and_an_end_of_connection_body() -> None:
         writer.write(b"it")
 
     async with Backend(until_eof) as backend:
-        upstream = pool()
-        for _ in range(2):
-            response = await upstream.post(backend.url, "/p", [], b"{}")
-            assert await response.read() == b"all of it"
-            response.release()
-        upstream.close()
+        assert await two_requests_in_turn(backend) == [b"all of it", b"all of it"]
     assert backend.connections == 2
 
 
@@ -292,12 +294,7 @@ async def test_bytes_after_the_response_stay_out_of_it_and_retire_the_connection
             writer.write(OK + b"HTTP/1.1 200 OK\r\nContent-Length: 4\r\n\r\nEVIL")
 
     async with Backend(surplus) as backend:
-        upstream = pool()
-        for _ in range(2):
-            response = await upstream.post(backend.url, "/p", [], b"{}")
-            assert await response.read() == b"{}"
-            response.release()
-        upstream.close()
+        assert await two_requests_in_turn(backend) == [b"{}", b"{}"]
     assert backend.connections == 2
 
 
