@@ -143,6 +143,8 @@ async def serve_forever(
     async with RouterServer(config, reuse_port=reuse_port, config_path=config_path) as server:
         server.app[RUNTIME].reload_peers = reload_peers
         loop.add_signal_handler(signal.SIGHUP, server.reload)
+        # A worker starts with SIGHUP blocked (router/workers.py); a reload asked meanwhile runs now.
+        signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         tune_gc()
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)
         if server.admin_port is not None:

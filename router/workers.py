@@ -127,8 +127,15 @@ def serve_workers(config: Config, workers: int, config_path: str | None = None) 
     previous = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGTERM, signal.SIGINT)}
     previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, forward)
     try:
-        for process in processes:
-            process.start()
+        # Workers are born with SIGHUP blocked (the mask is inherited): one sent while a worker
+        # is still starting stays pending until its reload handler is in place (serve_forever),
+        # instead of killing it by the default action and with it the whole router.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGHUP})
+        try:
+            for process in processes:
+                process.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         for _, sender in pipes:
             sender.close()  # the worker holds its own copy; here a closed pipe means it exited
         listen = config.listen

@@ -92,3 +92,28 @@ async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
             process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(process.wait, 40)
         assert process.returncode == 0
+
+
+async def test_a_reload_asked_while_workers_start_waits_for_them(tmp_path, fleet):
+    """SIGHUP as soon as the supervisor has started its workers, while they are still importing:
+    the reload waits for each worker's handler instead of killing the worker (and the router)."""
+    with redis_server() as server:
+        port = free_port()
+        url = f"http://127.0.0.1:{port}"
+        config = tmp_path / "c.yaml"
+        log = tmp_path / "log"
+        write(config, port, backends_of(fleet), server.url, max_attempts=1)
+        process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=log)
+        try:
+            deadline = time.monotonic() + 30
+            while f"with {WORKERS} workers" not in (log.read_text() if log.exists() else ""):
+                assert process.poll() is None and time.monotonic() < deadline
+                await asyncio.sleep(0.005)
+            write(config, port, backends_of(fleet), server.url, max_attempts=2)
+            process.send_signal(signal.SIGHUP)
+            await every_worker_shows(url, 2)
+            assert process.poll() is None
+        finally:
+            process.send_signal(signal.SIGTERM)
+            await asyncio.to_thread(process.wait, 40)
+        assert process.returncode == 0
