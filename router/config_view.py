@@ -15,11 +15,12 @@ is hidden without touching this module:
   ``index.redis.password`` are caught this way; ``api_key_env``, ``key_file`` or
   ``password_file`` (where a secret is read from, not the secret) and numbers such as
   ``chars_per_token`` are shown;
-* any string holding a URL has its user info (``user:password@``) redacted, and the values
-  of query parameters with secret names (redis-py reads ``?password=``): ``redis://`` and
-  ``rediss://`` URLs, backend URLs, the Kubernetes API URL; ``user:password@host:port``
-  without a scheme (a Sentinel address) loses its user info too. A URL that cannot be
-  parsed is redacted whole.
+* any string holding a URL has its user info (``user:password@``), every query value and
+  its fragment redacted (query names stay, to show what is set: redis-py reads
+  ``?password=``, and a signed URL's ``?sig=`` or an ``#access_token=`` are named anything):
+  ``redis://`` and ``rediss://`` URLs, backend URLs, the Kubernetes API URL;
+  ``user:password@host:port`` without a scheme (a Sentinel address; the password may hold
+  an ``@``) loses its user info too. A URL that cannot be parsed is redacted whole.
 
 The engines' resolved credentials (``upstream_api_key``, read from the environment) are
 properties, never part of the tree.
@@ -58,7 +59,7 @@ _SECRET_WORDS = frozenset(
 )
 _WORD_SPLIT = re.compile(r"[_\-.]")
 #: ``user:password@host:port``, without a scheme (Sentinel addresses).
-_BARE_USERINFO = re.compile(r"^[^/\s@]+@(?=[^/\s@]+$)")
+_BARE_USERINFO = re.compile(r"^[^/\s]+@(?=[^/\s@]+$)")
 
 
 def is_secret_name(name: object) -> bool:
@@ -77,7 +78,7 @@ def _mask(value: Any) -> Any:
 
 
 def scrub_url(text: str) -> str:
-    """``text`` with a URL's user info and secret query values redacted (unchanged otherwise)."""
+    """``text`` with a URL's user info, query values and fragment redacted (unchanged otherwise)."""
     if "://" not in text:
         return _BARE_USERINFO.sub(f"{REDACTED}@", text)
     try:
@@ -88,8 +89,9 @@ def scrub_url(text: str) -> str:
         query = parts.query
         if query:
             pairs = parse_qsl(query, keep_blank_values=True)
-            query = urlencode([(k, REDACTED if is_secret_name(k) else v) for k, v in pairs], safe="<>")
-        return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+            query = urlencode([(k, REDACTED) for k, _ in pairs], safe="<>")
+        fragment = REDACTED if parts.fragment else ""
+        return urlunsplit((parts.scheme, netloc, parts.path, query, fragment))
     except ValueError:
         return REDACTED
 

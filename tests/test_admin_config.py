@@ -26,6 +26,10 @@ SECRETS = [
     "SENTINELPASS-10",
     "KUBEPASS-11",
     "redisuser",
+    "APIKEYLEAK-12",
+    "FRAGLEAK-13",
+    "SIGLEAK-14",
+    "p@ssSENT-15",
 ]
 
 
@@ -33,7 +37,10 @@ def seeded_config(engines: list[FaultEngine], **sections: Any) -> dict[str, Any]
     first, second = backends(engines)
     first["api_key"] = "UPSTREAMSECRET-4"
     second["api_key_env"] = "KVROUTE_TEST_ENGINE_KEY"
-    with_userinfo = {"name": "basic", "url": "http://user5:BACKENDPASS-5@127.0.0.1:1"}
+    with_userinfo = {
+        "name": "basic",
+        "url": "http://user5:BACKENDPASS-5@127.0.0.1:1/?apikey=APIKEYLEAK-12#access_token=FRAGLEAK-13",
+    }
     return {
         "listen": {"host": "127.0.0.1", "port": 0},
         "backends": [first, second, with_userinfo],
@@ -44,10 +51,13 @@ def seeded_config(engines: list[FaultEngine], **sections: Any) -> dict[str, Any]
             "redis": {
                 "url": "redis://redisuser:URLPASS-7@127.0.0.1:1/0?password=QUERYPASS-8&socket_timeout=1",
                 "password": "REDISPASS-9",
-                "sentinels": ["sentineluser:SENTINELPASS-10@127.0.0.1:26379"],
+                "sentinels": [
+                    "sentineluser:SENTINELPASS-10@127.0.0.1:26379",
+                    "u:p@ssSENT-15@127.0.0.1:26380",
+                ],
             }
         },
-        "discovery": {"kubernetes": {"api_url": "https://kube:KUBEPASS-11@10.0.0.1:6443"}},
+        "discovery": {"kubernetes": {"api_url": "https://kube:KUBEPASS-11@10.0.0.1:6443/?sig=SIGLEAK-14"}},
         **sections,
     }
 
@@ -86,13 +96,14 @@ async def test_config_shows_the_running_config_and_no_secret(engines, deploy, ht
     first, second, basic = config["backends"]
     assert first["api_key"] == REDACTED
     assert second["api_key_env"] == "KVROUTE_TEST_ENGINE_KEY" and second["api_key"] is None
-    assert basic["url"] == f"http://{REDACTED}@127.0.0.1:1"
+    assert basic["url"] == f"http://{REDACTED}@127.0.0.1:1/?apikey={REDACTED}#{REDACTED}"
     redis = config["index"]["redis"]
     assert redis["url"].startswith(f"redis://{REDACTED}@127.0.0.1:1/0?password=")
-    assert "socket_timeout=1" in redis["url"]
-    assert redis["password"] == REDACTED and redis["sentinels"] == [f"{REDACTED}@127.0.0.1:26379"]
+    assert f"socket_timeout={REDACTED}" in redis["url"]  # names shown, values hidden
+    sentinels = [f"{REDACTED}@127.0.0.1:26379", f"{REDACTED}@127.0.0.1:26380"]
+    assert redis["password"] == REDACTED and redis["sentinels"] == sentinels
     assert redis["key_ttl_s"] == 3600.0  # defaults filled in
-    assert config["discovery"]["kubernetes"]["api_url"] == f"https://{REDACTED}@10.0.0.1:6443"
+    assert config["discovery"]["kubernetes"]["api_url"] == f"https://{REDACTED}@10.0.0.1:6443/?sig={REDACTED}"
     assert config["upstream"]["max_attempts"] == 2
 
 
@@ -142,7 +153,7 @@ def test_redaction_catches_secrets_by_name_anywhere():
     }
     assert shown["urls"] == [
         f"rediss://{REDACTED}@h:6380/0",
-        f"http://h/x?api_key={REDACTED}&model=m",
+        f"http://h/x?api_key={REDACTED}&model={REDACTED}",
         "not a url",
         REDACTED,
     ]
