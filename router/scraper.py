@@ -65,6 +65,8 @@ class LoadScraper:
                 self._failing.add(backend.name)
                 log.warning("backend %s: cannot read /metrics: %s", backend.name, exc or type(exc).__name__)
             return
+        if backend.name not in self.pool or self.pool[backend.name] is not backend:
+            return  # removed or replaced while this scrape ran: its numbers describe no member
         if backend.name in self._failing:
             self._failing.discard(backend.name)
             log.info("backend %s: /metrics readable again", backend.name)

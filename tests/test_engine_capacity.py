@@ -14,17 +14,19 @@ from typing import Any
 
 import aiohttp
 import pytest
+from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
 from router.app import build_index
-from router.backends import Backend
+from router.backends import Backend, BackendPool
 from router.capacity import CapacitySizer
-from router.config import BackendConfig, IndexConfig, config_from_dict
+from router.config import BackendConfig, EngineMetricsConfig, IndexConfig, config_from_dict
 from router.engines import EngineStats
 from router.index import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis import RedisIndex
 from router.metrics import RouterMetrics
+from router.scraper import LoadScraper
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
 
@@ -209,3 +211,41 @@ async def complete(http: aiohttp.ClientSession, url: str, prompt: str) -> None:
     async with http.post(f"{url}/v1/completions", json=body) as resp:
         await resp.read()
         assert resp.status == 200, await resp.text()
+
+
+async def test_a_scrape_that_outlives_its_backend_reports_nothing() -> None:
+    """A backend replaced (a reload pinning its capacity) or removed while its /metrics was being
+    read: the late numbers describe no member of the pool, so they size nothing."""
+    asked, release = asyncio.Event(), asyncio.Event()
+
+    async def metrics(_request: web.Request) -> web.Response:
+        asked.set()
+        await release.wait()
+        return web.Response(text='vllm:cache_config_info{block_size="16",num_gpu_blocks="64"} 1.0\n')
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    pool = BackendPool([BackendConfig(name="a", url=url, models=["m"])])
+    reported: list[tuple[str, int | None]] = []
+    try:
+        async with aiohttp.ClientSession() as session:
+            scraper = LoadScraper(
+                pool, session, EngineMetricsConfig(), RouterMetrics(),
+                on_stats=lambda backend, stats: reported.append((backend.name, stats.capacity_tokens)),
+            )  # fmt: skip
+            late = asyncio.create_task(scraper.scrape_once())
+            await asyncio.wait_for(asked.wait(), 5)
+            pool.remove("a")
+            pool.add(BackendConfig(name="a", url=url, models=["m"], capacity_blocks=7))
+            release.set()
+            await late
+            assert reported == []
+            await scraper.scrape_once()  # the new member's own scrape reports as usual
+            assert reported == [("a", 64 * 16)]
+    finally:
+        await runner.cleanup()
