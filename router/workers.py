@@ -121,6 +121,7 @@ def serve_workers(config: Config, workers: int, config_path: str | None = None) 
             receiver.recv_bytes()
         except (EOFError, OSError):  # the worker exited; its sentinel says so
             del requests[receiver]
+            receiver.close()
             return
         signal_workers(signal.SIGHUP, but=requests[receiver])
 
