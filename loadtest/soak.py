@@ -180,18 +180,19 @@ def process_figures(pid: int) -> tuple[int, int]:
     return rss_pages * os.sysconf("SC_PAGE_SIZE"), len(os.listdir(f"/proc/{pid}/fd"))
 
 
-async def start_router(config: dict, workdir: Path) -> tuple[asyncio.subprocess.Process, str]:
-    path = workdir / "kvroute.yaml"
-    path.write_text(yaml.safe_dump(config))
+async def start_router(
+    config_path: Path, stderr: int = asyncio.subprocess.DEVNULL
+) -> tuple[asyncio.subprocess.Process, str]:
+    """``kvroute serve`` from ``config_path``; returns once it listens, with its URL."""
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
         "router.cli",
         "serve",
         "--config",
-        str(path),
+        str(config_path),
         stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.DEVNULL,
+        stderr=stderr,
     )
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 30)).decode()
@@ -266,7 +267,9 @@ async def soak(seconds: float, concurrency: int, fault_every: float, use_redis: 
             if redis is not None:
                 config["index"].update(store="redis", redis={"url": redis.url, "retry_interval_s": 0.2})
             with tempfile.TemporaryDirectory(prefix="kvroute-soak-") as workdir:
-                process, url = await start_router(config, Path(workdir))
+                path = Path(workdir) / "kvroute.yaml"
+                path.write_text(yaml.safe_dump(config))
+                process, url = await start_router(path)
                 try:
                     started = time.monotonic()
                     stop_at = started + seconds

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 import time
 from pathlib import Path
 from typing import Any
@@ -18,27 +17,11 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtest.soak import start_router
 from tests.conftest import eventually
 from tests.fault_engine import MODEL, backends, start_engines
 
 DRAIN_S = 1.0
-
-
-async def start_router(config_path: Path) -> tuple[asyncio.subprocess.Process, str]:
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        "-m",
-        "router.cli",
-        "serve",
-        "--config",
-        str(config_path),
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    assert process.stdout is not None
-    line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()
-    assert line.startswith("kvroute listening on "), line
-    return process, line.split()[3]
 
 
 async def log_line(process: asyncio.subprocess.Process, containing: str) -> str:
@@ -59,7 +42,7 @@ async def test_sigterm_cuts_streams_at_the_drain_deadline_and_exits(tmp_path):
     (engine,) = await start_engines("stall_mid_stream")
     config = tmp_path / "kvroute.yaml"
     write(config, {"listen": {"port": 0, "drain_timeout_s": DRAIN_S}, "backends": backends([engine])})
-    process, url = await start_router(config)
+    process, url = await start_router(config, stderr=asyncio.subprocess.PIPE)
     try:
         async with aiohttp.ClientSession() as http:
             body = {"model": MODEL, "prompt": "never ends", "max_tokens": 3, "stream": True}
@@ -95,7 +78,7 @@ async def test_sighup_reloads_and_refuses_an_invalid_file(tmp_path):
     config_path = tmp_path / "kvroute.yaml"
     config = {"listen": {"port": 0}, "backends": backends([engine]), "routing": {"policy": "round_robin"}}
     write(config_path, config)
-    process, url = await start_router(config_path)
+    process, url = await start_router(config_path, stderr=asyncio.subprocess.PIPE)
     body = {"model": MODEL, "prompt": "hi", "max_tokens": 1}
     try:
         async with aiohttp.ClientSession() as http:
