@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +19,7 @@ from loadtest.sim.timing import EngineTiming
 from router.config import config_from_dict, load_config
 from router.server import RouterServer
 from tests.fault_engine import FaultEngine, start_engines
+from tests.redis_servers import RedisServer, redis_server
 
 #: Quick engines: tests need the shape of the timing model, not its scale.
 FAST = EngineTiming(prefill_base_s=0.001, prefill_per_token_s=0.000005, decode_step_s=0.002)
@@ -49,6 +50,13 @@ async def fault_engines() -> AsyncIterator[Callable[..., Awaitable[list[FaultEng
     for engine in started:
         engine.release.set()
         await engine.stop()
+
+
+@pytest.fixture
+def server() -> Iterator[RedisServer]:
+    """A private redis-server on a free port, stopped after the test."""
+    with redis_server() as started:
+        yield started
 
 
 @pytest.fixture

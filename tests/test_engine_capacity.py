@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -113,12 +113,6 @@ def test_the_precise_index_records_a_capacity_but_never_evicts_for_it():
     index.set_capacity("a", 5)
     assert index.capacity_of("a") == 5
     assert index.match_now(list(range(1, 21)), ["a"]) == {"a": 20}
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
 
 
 async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_for_a_write(server):

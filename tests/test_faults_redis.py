@@ -8,22 +8,14 @@ level is tests/test_redis_index.py. These reuse their private redis-server fixtu
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 
 import aiohttp
-import pytest
 
 from tests.conftest import backends_of, eventually, scrape, total, wait_released
-from tests.redis_servers import RedisServer, redis_server
+from tests.redis_servers import RedisServer
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 40
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
 
 
 def redis_index(server: RedisServer) -> dict:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -18,15 +18,9 @@ from router.index import MemoryIndex
 from router.index.redis import WARM_CONNECTIONS, RedisIndex
 from router.metrics import RouterMetrics
 from tests.conftest import eventually
-from tests.redis_servers import RedisServer, redis_server
+from tests.redis_servers import redis_server
 
 BACKENDS = ["a", "b", "c"]
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
 
 
 def index_config(redis: dict[str, Any], **index: Any):

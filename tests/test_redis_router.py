@@ -3,11 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterator
 from typing import Any
 
 import aiohttp
-import pytest
 
 from loadtest.sim.fleet import SimFleet
 from router.backends import BackendPool
@@ -21,12 +19,6 @@ from tests.redis_servers import RedisServer, redis_server
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 40
-
-
-@pytest.fixture
-def server() -> Iterator[RedisServer]:
-    with redis_server() as s:
-        yield s
 
 
 def redis_index(server: RedisServer, **redis: Any) -> dict[str, Any]:
