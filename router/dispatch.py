@@ -31,6 +31,7 @@ from router.config import Config
 from router.errors import OpenAIError
 from router.hashing import PrefixHasher, chain_seed
 from router.index import PrefixIndex
+from router.index.precise import PreciseIndex
 from router.metrics import RouterMetrics
 from router.prefill import PendingPrefill
 from router.proxy import ClientGone, Proxy, StreamInterrupted, UpstreamFailed
@@ -99,6 +100,15 @@ class Dispatcher:
         ids = self.tokenizer.prompt_ids(routable.document, routable.endpoint == CHAT)
         return block_keys(ids, self.block_tokens), len(ids)
 
+    async def _match(self, chain: list[int], candidates: list[Backend]) -> dict[str, int]:
+        """What each candidate holds of ``chain``; in precise mode, what it will still hold when
+        the prefills this router queued there ahead of the request have stored their blocks."""
+        if isinstance(self.index, PreciseIndex):
+            block = self.block_tokens
+            ahead = {b.name: -(-b.pending_prefill_tokens // block) for b in candidates}
+            return self.index.match_surviving(chain, ahead)
+        return await self.index.match(chain, [b.name for b in candidates])
+
     def _request_view(self, routable: RoutableRequest, chain: list[int], tokens: int | None) -> RequestView:
         return RequestView(
             model=routable.model,
@@ -122,7 +132,7 @@ class Dispatcher:
         matches: dict[str, int] = {}
         if self.policy.uses_prefix_match:
             chain, tokens = self._chain(routable)
-            matches = await self.index.match(chain, [b.name for b in candidates])
+            matches = await self._match(chain, candidates)
             self.metrics.index_lookups_by("hit" if any(matches.values()) else "miss").inc()
         view = self._request_view(routable, chain, tokens)
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
@@ -152,7 +162,7 @@ class Dispatcher:
                 self.index.record(backend.name, chain)
             try:
                 return await self._forward(
-                    request, routable, backend, decision, chain, started, first_byte_timeout
+                    request, routable, view, backend, decision, started, first_byte_timeout
                 )
             except UpstreamFailed as exc:
                 self.metrics.upstream_errors.labels(backend.name, exc.kind).inc()
@@ -181,12 +191,13 @@ class Dispatcher:
         self,
         request: web.Request,
         routable: RoutableRequest,
+        view: RequestView,
         backend: Backend,
         decision: Decision,
-        chain: list[int],
         started: float,
         first_byte_timeout: float,
     ) -> web.StreamResponse:
+        chain, prompt_tokens = view.chain, view.prompt_tokens
         policy_name = self.policy.name or type(self.policy).__name__
         self.metrics.decisions_by(policy_name, decision.reason).inc()
         self.metrics.matched_tokens_by(routable.model).inc(decision.matched_blocks * self.block_tokens)
@@ -210,7 +221,6 @@ class Dispatcher:
             if chain:
                 self.index.record(backend.name, chain)
 
-        prompt_tokens = math.ceil(len(routable.prompt) / self.config.index.chars_per_token)
         pending = PendingPrefill(backend, prompt_tokens - decision.matched_blocks * self.block_tokens)
         check = None
         if self.closed_loop is not None and chain:

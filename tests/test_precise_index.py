@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import pytest
 
+from loadtest.sim.cache import PrefixCache
+from loadtest.sim.kv_events import Cleared, Removed, Stored
 from router.index.precise import PreciseIndex, tier_of
 from router.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
 from router.tokenize import block_keys
@@ -152,3 +154,82 @@ def test_the_memory_budget_refuses_new_blocks() -> None:
     index.apply("a", 0, batch(stored([901, 902, 903], None, TOKENS[:12])))
     assert index.blocks_of("a") == 2
     assert index.stats.dropped == 1
+
+
+class _Engine:
+    """The simulated engine's LRU prefix cache, its events applied to the index as they happen."""
+
+    def __init__(self, index: PreciseIndex, capacity_blocks: int) -> None:
+        self.cache = PrefixCache(capacity_blocks, B, chars_per_token=1)
+        self.cache.listener = lambda events: index.apply("a", 0, batch(*map(self._event, events)))
+
+    @staticmethod
+    def _event(event: Stored | Removed | Cleared) -> BlockStored | BlockRemoved | AllBlocksCleared:
+        if isinstance(event, Stored):
+            return stored(event.hashes, event.parent, event.token_ids)
+        if isinstance(event, Removed):
+            return BlockRemoved(tuple(event.hashes), "GPU")
+        return AllBlocksCleared()
+
+    def run(self, text: str) -> int:
+        """Prefill ``text``: the blocks it found cached, then its own blocks stored."""
+        hashes = self.cache.hashes(text, "m")
+        hit = self.cache.lookup(hashes, len(text) + 1)
+        self.cache.insert(hashes, [ord(c) for c in text])
+        return hit
+
+
+def chain_of(text: str) -> list[int]:
+    return block_keys([ord(c) for c in text], B)
+
+
+def test_a_prefix_the_queue_ahead_will_evict_is_not_promised() -> None:
+    index = make_index()
+    engine = _Engine(index, capacity_blocks=8)
+    doc_x, doc_y, doc_z, doc_w = "x" * 16, "y" * 8 + "Y" * 8, "z" * 8, "w" * 8
+    for doc in (doc_x, doc_y, doc_z):  # the third evicts the first's two tail blocks
+        engine.run(doc)
+    x = chain_of(doc_x)
+    assert index.match_surviving(x, {"a": 0}) == {"a": 2} == {"a": engine.cache.lookup(
+        engine.cache.hashes(doc_x, "m"), 17)}  # fmt: skip
+    # Two new blocks will be stored before the request runs: the LRU evicts X's last two first.
+    assert index.match_surviving(x, {"a": 2}) == {"a": 0}
+    assert index.match_surviving(x, {"a": 1}) == {"a": 1}
+    assert index.match_surviving(chain_of(doc_y), {"a": 2}) == {"a": 4}
+    assert index.match_now(x, ["a"]) == {"a": 2}  # what is held now, eviction ahead aside
+    engine.run(doc_w)  # the queue ahead ran: the prediction for X (none of it left) held
+    assert engine.run(doc_x) == 0
+
+
+def test_a_routed_request_keeps_its_prefix_recent() -> None:
+    index = make_index()
+    engine = _Engine(index, capacity_blocks=8)
+    doc_x, doc_y, doc_z = "x" * 16, "y" * 16, "z" * 4
+    engine.run(doc_x)
+    engine.run(doc_y)
+    # A request for X is routed there: the engine will use X's blocks, which become the newest.
+    index.record("a", chain_of(doc_x))
+    assert engine.run(doc_x) == 4
+    engine.run(doc_z)  # evicts Y's tail, the least recently used now
+    assert index.match_surviving(chain_of(doc_x), {"a": 3}) == {"a": 4}
+    assert index.match_surviving(chain_of(doc_y), {"a": 3}) == {"a": 0}
+    engine.run("v" * 12)
+    assert engine.run(doc_x) == 4
+    assert engine.run(doc_y) == 0
+
+
+def test_a_prefix_extended_by_traffic_the_router_never_saw_is_recent_again() -> None:
+    index = make_index()
+    engine = _Engine(index, capacity_blocks=8)
+    doc_x, doc_y = "x" * 16, "y" * 16
+    engine.run(doc_x)
+    engine.run(doc_y)
+    # Sent around the router: it hits X's four blocks and stores one more after them, which
+    # evicts Y's last block: Y is now the least recently used.
+    assert engine.run(doc_x + "q" * 4) == 4
+    # Two new blocks ahead evict two more of Y's, not X's.
+    assert index.match_surviving(chain_of(doc_x), {"a": 2}) == {"a": 4}
+    assert index.match_surviving(chain_of(doc_y), {"a": 2}) == {"a": 1}
+    engine.run("v" * 8)
+    assert engine.run(doc_x) == 4
+    assert engine.run(doc_y) == 1

@@ -15,6 +15,17 @@ those reports and nothing else is believed for long. Three ideas:
 * **Media.** A block can live on the GPU, or in a CPU or disk tier (an offloading connector
   such as LMCache). A match is worth its tier's weight per block (``medium_weights``), so a
   GPU-resident prefix beats an equally long one that must be loaded back first.
+* **Eviction ahead.** A match is a promise about the moment the engine runs the request, not
+  the moment it is routed: the prefills queued in front of it store new blocks, and a full
+  cache evicts its least recently used ones to make room. The index orders each backend's
+  GPU blocks by a stamp (the backend's count of stored blocks when the block was stored or a
+  routed request last used it; a chain's tail older than its head, as engines free a
+  request's blocks tail first) and learns from the eviction events where the LRU end stands
+  (the newest stamp evicted so far). :meth:`match_surviving` counts a GPU block only if its
+  stamp lies beyond that end by more than the blocks queued ahead, so a prefix that the
+  queue will evict before the request runs is not promised. A stored run's event names its
+  parent, so the prefix it extends (used by that request, even one the router never saw) is
+  stamped anew too; only a request that stores nothing (a full hit) uses blocks unseen.
 
 One engine (a backend) may publish several streams, one per data-parallel rank; a backend
 holds a block when any of its streams does.
@@ -59,13 +70,20 @@ DEFAULT_MEDIUM_WEIGHTS = {"gpu": 1.0, "cpu": 0.5, "disk": 0.25}
 
 Source = tuple[str, int]
 
+#: An ancestor stamped within this share of the backend's held blocks of now is recent enough:
+#: touching stops there, so decode and chunked-prefill events, one block each, cost a few steps
+#: instead of a walk back over the whole prompt (ancestors are never older than their children).
+TOUCH_SLACK_SHARE = 64
+
 
 @dataclass(slots=True)
 class _Entry:
-    """One engine block of one stream: its router key and the tiers holding it."""
+    """One engine block of one stream: its router key, the tiers holding it, and its parent."""
 
     key: int
     tiers: set[str]
+    #: The engine hash of the block before it in its chain (None: the chain's first).
+    parent: BlockHash | None
 
 
 @dataclass
@@ -108,6 +126,11 @@ class PreciseIndex(PrefixIndex):
         self._provisional: dict[str, dict[int, float]] = {}
         self._expiries: deque[tuple[float, str, int]] = deque()
         self._provisional_count = 0
+        #: backend -> key -> stamp of its GPU blocks; the stamp clock is the backend's count of
+        #: stored blocks, and ``_lru_end`` the newest stamp the engine evicted (see match_surviving).
+        self._stamps: dict[str, dict[int, int]] = {}
+        self._stored_blocks: dict[str, int] = {}
+        self._lru_end: dict[str, int] = {}
         #: Blocks the engines reported evicted, since start (``kvroute_index_evictions``).
         self.evictions = 0
         self.stats = PreciseStats()
@@ -120,6 +143,8 @@ class PreciseIndex(PrefixIndex):
         self._capacity.setdefault(name, capacity_blocks)
         self._held.setdefault(name, 0)
         self._provisional.setdefault(name, {})
+        self._stamps.setdefault(name, {})
+        self._stored_blocks.setdefault(name, 0)
 
     def set_capacity(self, name: str, capacity_blocks: int) -> None:
         """Recorded, never enforced: the engine evicts and its events say so; evicting here on a
@@ -137,6 +162,9 @@ class PreciseIndex(PrefixIndex):
             del self._sources[source]
         self._provisional_count -= len(self._provisional.pop(name, {}))
         self._held.pop(name, None)
+        self._stamps.pop(name, None)
+        self._stored_blocks.pop(name, None)
+        self._lru_end.pop(name, None)
         self._backends.discard(name)
 
     async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
@@ -144,9 +172,22 @@ class PreciseIndex(PrefixIndex):
 
     def match_now(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``chain`` held by each backend, each worth its best tier's weight."""
+        return self.match_surviving(chain, {name: None for name in backends})
+
+    def match_surviving(self, chain: Sequence[int], ahead: Mapping[str, int | None]) -> dict[str, int]:
+        """Like :meth:`match_now`, for the backends ``ahead`` names, counting only what survives
+        until the request runs: ``ahead[name]`` is the number of blocks the prefills queued in
+        front of it there will store (0 or None: no eviction foreseen). A GPU block whose stamp is
+        within that many of the backend's LRU end is taken as evicted by then, and the match
+        ends there (see the module docstring)."""
         now = self._clock()
-        depth = {name: 0.0 for name in backends}
+        depth = {name: 0.0 for name in ahead}
         alive = [name for name in depth if name in self._backends]
+        doomed_upto = {}
+        for name in alive:
+            end = self._lru_end.get(name)
+            queued = ahead[name]
+            doomed_upto[name] = end + queued if end is not None and queued else None
         gpu = self.weights["gpu"]
         for key in chain:
             holders = self._holders.get(key)
@@ -154,6 +195,12 @@ class PreciseIndex(PrefixIndex):
             for name in alive:
                 tiers = holders.get(name) if holders else None
                 if tiers:
+                    limit = doomed_upto[name]
+                    stamp = self._stamps[name].get(key) if limit is not None and "gpu" in tiers else None
+                    if stamp is not None and stamp <= limit:
+                        tiers = {t: n for t, n in tiers.items() if t != "gpu"}
+                        if not tiers:
+                            continue
                     depth[name] += max(self.weights[t] for t in tiers)
                 elif self._provisional[name].get(key, 0.0) > now:
                     depth[name] += gpu
@@ -174,9 +221,13 @@ class PreciseIndex(PrefixIndex):
         self._purge(now)
         expiry = now + self.provisional_ttl_s
         holders = self._holders
+        # The request will use the blocks held there: they become the most recently used.
+        stamps, stamp = self._stamps[backend], self._stored_blocks[backend]
         for key in chain:
             held = holders.get(key)
             if held is not None and backend in held:
+                if key in stamps:
+                    stamps[key] = stamp
                 continue
             if key not in provisional:
                 self._provisional_count += 1
@@ -215,6 +266,7 @@ class PreciseIndex(PrefixIndex):
         for entry in entries.values():
             for tier in entry.tiers:
                 self._unhold(backend, entry.key, tier)
+            self._unstamp(backend, entry.key)
         entries.clear()
 
     def engine_hashes(self, backend: str) -> set[BlockHash]:
@@ -241,20 +293,54 @@ class PreciseIndex(PrefixIndex):
         tier = tier_of(event.medium)
         provisional = self._provisional[backend]
         budget = self.max_blocks - self.size()
+        # Stamps run backwards along the chain: its tail is the first to go (engines free a
+        # request's blocks tail first, and the LRU evicts the earliest freed).
+        stamps, first_stamp = self._stamps[backend], self._stored_blocks[backend]
+        now = self._stored_blocks[backend] = first_stamp + len(hashes)
+        stamp = now
+        parent_hash = event.parent_block_hash
         for block_hash, key in zip(hashes, keys, strict=False):
+            stamp -= 1
             entry = entries.get(block_hash)
             if entry is None:
                 if budget <= 0:
                     self.stats.dropped += 1
                     continue
                 budget -= 1
-                entry = entries[block_hash] = _Entry(key, {tier})
+                entry = entries[block_hash] = _Entry(key, {tier}, parent_hash)
                 self._hold(backend, key, tier)
             elif tier not in entry.tiers:
                 entry.tiers.add(tier)
                 self._hold(backend, entry.key, tier)
+            if tier == "gpu":
+                stamps[entry.key] = stamp
             if provisional and provisional.pop(entry.key, None) is not None:
                 self._provisional_count -= 1
+            parent_hash = block_hash
+        if tier == "gpu":
+            fresh = first_stamp - self._held[backend] // TOUCH_SLACK_SHARE
+            self._touch_ancestors(entries, stamps, event.parent_block_hash, now, fresh)
+
+    @staticmethod
+    def _touch_ancestors(
+        entries: dict[BlockHash, _Entry],
+        stamps: dict[int, int],
+        block_hash: BlockHash | None,
+        now: int,
+        fresh: int,
+    ) -> None:
+        """The prefix a stored run extends was just used by the request that stored it (a hit,
+        perhaps of traffic the router never saw): it becomes the most recently used, up to the
+        first ancestor already stamped ``fresh`` or later."""
+        while block_hash is not None:
+            entry = entries.get(block_hash)
+            if entry is None:
+                return
+            stamp = stamps.get(entry.key)
+            if stamp is None or stamp >= fresh:
+                return
+            stamps[entry.key] = now
+            block_hash = entry.parent
 
     def _removed(self, backend: str, entries: dict[BlockHash, _Entry], event: BlockRemoved) -> None:
         tier = tier_of(event.medium)
@@ -266,11 +352,22 @@ class PreciseIndex(PrefixIndex):
                 continue
             entry.tiers.discard(tier)
             self._unhold(backend, entry.key, tier)
+            if tier == "gpu":
+                stamp = self._unstamp(backend, entry.key)
+                if stamp is not None and stamp > self._lru_end.get(backend, -1):
+                    self._lru_end[backend] = stamp
             if not entry.tiers:
                 del entries[block_hash]
             if provisional and provisional.pop(entry.key, None) is not None:
                 self._provisional_count -= 1
             self.evictions += 1
+
+    def _unstamp(self, backend: str, key: int) -> int | None:
+        """Drop the stamp of a block no stream of ``backend`` holds on the GPU any more; its stamp."""
+        tiers = self._holders.get(key, {}).get(backend)
+        if tiers and "gpu" in tiers:
+            return None
+        return self._stamps[backend].pop(key, None)
 
     def _hold(self, backend: str, key: int, tier: str) -> None:
         held = self._holders.get(key)
