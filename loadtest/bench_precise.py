@@ -1,6 +1,6 @@
 """Precise routing (KV events) against approximate routing and SGLang's router, on a Mooncake slice.
 
-    python -m loadtest.bench_precise --minutes 3 --speedup 10 --engines 4 --capacity 300000 --seeds 7,8
+    python -m loadtest.bench_precise --policy cost --seeds 7,8,9
 
 Two scenarios, each run with every contender on fresh engines (their own process, publishing
 KV events in vLLM's format) and a fresh router process:
@@ -451,14 +451,19 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m loadtest.bench_precise", description=__doc__.split("\n")[0]
     )
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--minutes", type=float, default=3.0, help="trace minutes to replay (default 3)")
+    # The defaults are the routing benchmark's (loadtest/bench_routing.py): its trace slice,
+    # time compression, fleet and capacity; the stale scenario halves the capacity.
+    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression (default 10)")
-    parser.add_argument("--engines", type=int, default=4)
+    parser.add_argument("--engines", type=int, default=8)
     parser.add_argument(
-        "--capacity", type=int, default=300_000, help="KV tokens per engine, routing scenario"
+        "--capacity", type=int, default=1_000_000, help="KV tokens per engine, routing scenario (default 1M)"
     )
     parser.add_argument(
-        "--stale-capacity", type=int, default=100_000, help="KV tokens per engine, stale scenario"
+        "--stale-capacity",
+        type=int,
+        default=500_000,
+        help="KV tokens per engine, stale scenario (default 500k)",
     )
     parser.add_argument("--direct-share", type=float, default=0.25, help="stale scenario: share sent around")
     parser.add_argument("--max-output-tokens", type=int, default=32, help="cap outputs (0: the trace's own)")
