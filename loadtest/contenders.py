@@ -131,6 +131,13 @@ def kvroute(
     return Contender(name, port, pinned(command, cpus))
 
 
+def floor(backends: list[str], cpus: str | None) -> Contender:
+    """aiohttp's server and kvroute's upstream client with no routing (:mod:`loadtest.floor_proxy`)."""
+    port = free_port()
+    command = [sys.executable, "-m", "loadtest.floor_proxy", str(port), *backends]
+    return Contender("floor (aiohttp + upstream client)", port, pinned(command, cpus))
+
+
 def kvroute_has_workers() -> bool:
     """Whether this kvroute's ``serve`` takes ``--workers`` (several processes on one port)."""
     from router.cli import build_parser

@@ -10,7 +10,10 @@ small SSE chunks) and measures, one contender at a time:
   ``--workers N`` when this kvroute has that option and ``--workers`` is given here);
 - ``nginx``: Debian's nginx-light, one worker, ``least_conn``, upstream keepalive,
   ``proxy_buffering off`` — what operators would otherwise put there;
-- ``sglang cache_aware``: SGLang's Rust router (``sglang-router``).
+- ``sglang cache_aware``: SGLang's Rust router (``sglang-router``);
+- ``floor``: aiohttp's server and kvroute's upstream client passing requests through with no
+  routing at all (:mod:`loadtest.floor_proxy`): the cost of the stack kvroute is built on,
+  below which nothing inside kvroute's request path can go.
 
 For each: latency at a fixed moderate rate (``--rate``, open loop), non-streaming and
 streaming (time to the first chunk, and to the end), and the added latency over ``direct``;
@@ -304,6 +307,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
             url = redis.url
             contenders.append(procs.kvroute(workdir, backend_urls, None, args.workers, redis_url=url))
     contenders += [
+        procs.floor(backend_urls, args.proxy_cpu),
         procs.nginx(workdir, backend_urls, args.proxy_cpu),
         procs.sglang(backend_urls, args.proxy_cpu),
     ]
@@ -396,7 +400,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--workers", type=int, default=0, help="also run kvroute serve --workers N (N > 1; Redis index)"
     )
-    parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,nginx,sglang")
+    parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,floor,nginx,sglang")
     parser.add_argument(
         "--profile", default="", help="directory: py-spy samples kvroute, top functions printed"
     )

@@ -118,9 +118,9 @@ def test_profile_summary_merges_lines_of_a_function():
 
 
 async def test_overhead_command_runs_end_to_end(tmp_path):
-    """The smallest real run: direct and kvroute (nginx/SGLang need not be installed here)."""
+    """The smallest real run: direct, kvroute and the floor (nginx/SGLang need not be installed here)."""
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "loadtest.overhead", "--only", "kvroute", "--rounds", "1", "--rate", "50",
+        sys.executable, "-m", "loadtest.overhead", "--only", "kvroute,floor", "--rounds", "1", "--rate", "50",
         "--seconds", "0.2", "--saturation-seconds", "0.2", "--concurrency", "4",
         "--proxy-cpu", "", "--harness-cpu", "", "--report", str(tmp_path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -128,8 +128,10 @@ async def test_overhead_command_runs_end_to_end(tmp_path):
     output, _ = await asyncio.wait_for(process.communicate(), timeout=90)
     text = output.decode()
     assert process.returncode == 0, text
-    rows = [line.split()[0] for line in text.splitlines() if line.startswith(("direct ", "kvroute "))]
-    assert rows == ["direct", "kvroute", "direct", "kvroute"]  # the latency and the saturation tables
+    rows = [
+        line.split()[0] for line in text.splitlines() if line.startswith(("direct ", "kvroute ", "floor "))
+    ]
+    assert rows == ["direct", "kvroute", "floor"] * 2  # the latency and the saturation tables
     report = (tmp_path / "report.md").read_text()
     assert "## Latency (ms)" in report and "| kvroute |" in report
 
