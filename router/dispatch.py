@@ -67,6 +67,8 @@ class Dispatcher:
         self.tokenizer = config.index.tokenizer_config.load() if config.index.mode == "events" else None
         if self.tokenizer is not None:
             self.block_tokens = config.index.events_config.block_size
+        #: The index when it is fed by KV events: beliefs at the pick, and eviction ahead.
+        self.precise = index if isinstance(index, PreciseIndex) else None
         #: Closed-loop beliefs (router/beliefs.py): engines' cached-token reports correct the index.
         self.closed_loop: ClosedLoop | None = None
         if config.index.closed_loop:
@@ -103,10 +105,10 @@ class Dispatcher:
     async def _match(self, chain: list[int], candidates: list[Backend]) -> dict[str, int]:
         """What each candidate holds of ``chain``; in precise mode, what it will still hold when
         the prefills this router queued there ahead of the request have stored their blocks."""
-        if isinstance(self.index, PreciseIndex):
+        if self.precise is not None:
             block = self.block_tokens
             ahead = {b.name: -(-b.pending_prefill_tokens // block) for b in candidates}
-            return self.index.match_surviving(chain, ahead)
+            return self.precise.match_surviving(chain, ahead)
         return await self.index.match(chain, [b.name for b in candidates])
 
     def _request_view(self, routable: RoutableRequest, chain: list[int], tokens: int | None) -> RequestView:
@@ -156,15 +158,17 @@ class Dispatcher:
             else:
                 self.metrics.decision_time.observe(time.perf_counter() - started)
             first_byte_timeout = min(upstream.first_byte_timeout_s, remaining)
-            if self.tokenizer is not None and chain:
+            if self.precise is not None and chain:
                 # Precise mode believes a pick at once (provisionally, until the engine's events
                 # say), so that a burst of requests sharing a prefix follows the first one.
-                self.index.record(backend.name, chain)
+                self.precise.record(backend.name, chain)
             try:
                 return await self._forward(
                     request, routable, view, backend, decision, started, first_byte_timeout
                 )
             except UpstreamFailed as exc:
+                if self.precise is not None and chain:
+                    self.precise.withdraw(backend.name, chain)
                 self.metrics.upstream_errors.labels(backend.name, exc.kind).inc()
                 log.warning(
                     "backend %s failed before responding (%s); %s",

@@ -115,3 +115,41 @@ async def test_approximate_mode_stays_the_default_and_needs_no_tokenizer(
     backend, _, _ = await chat(http, router.url)
     assert backend in ("e0", "e1")
     assert total(await scrape(http, router.url), "kvroute_kv_events_connected") == 0
+
+
+async def test_a_pick_that_failed_over_leaves_no_belief_behind(
+    make_router: MakeRouter, http: aiohttp.ClientSession, fault_engines
+) -> None:
+    """Precise mode believes a pick at once; a backend that then fails before taking the prompt
+    must not keep that belief, or the next requests with the prefix would follow it there."""
+    (f0,) = await fault_engines("ok")
+    async with SimFleet(1, timing=FAST, kv_events="vllm") as fleet:
+        router = await make_router(
+            [{"name": "f0", "url": f0.url, "models": ["sim-model"]}, *backends_of(fleet)], index=EVENTS
+        )
+
+        async def drain(name: str, action: str) -> None:
+            async with http.post(f"{router.url}/admin/backends/{name}/{action}") as resp:
+                assert resp.status == 200
+
+        async def only_f0_predicts() -> int:
+            """f0 as the only candidate: the cached tokens the router believes it holds."""
+            await drain("e0", "drain")
+            body = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 2}
+            async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
+                assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "f0"
+                predicted = int(resp.headers["x-kvroute-matched-tokens"])
+            await drain("e0", "undrain")
+            return predicted
+
+        await only_f0_predicts()
+        assert await only_f0_predicts() > 0  # the first pick's belief: f0 holds the prompt
+
+        f0.mode = "status"  # 503: the belief draws the prompt to f0, which fails; e0 serves it
+        backend, _, _ = await chat(http, router.url)
+        assert backend == "e0" and f0.received == 3
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_retries_total") == 1
+
+        f0.mode = "ok"
+        assert await only_f0_predicts() == 0

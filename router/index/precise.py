@@ -234,6 +234,18 @@ class PreciseIndex(PrefixIndex):
             provisional[key] = expiry
             self._expiries.append((expiry, backend, key))
 
+    def withdraw(self, backend: str, chain: Sequence[int]) -> None:
+        """The pick of ``backend`` for ``chain`` fell through before the engine took the prompt
+        (it failed, the request went elsewhere): drop the provisional beliefs :meth:`record` made,
+        so that no request follows it there for the TTL. A concurrent request's belief in the same
+        blocks goes too; its engine's events restore it within moments."""
+        provisional = self._provisional.get(backend)
+        if not provisional:
+            return
+        for key in chain:
+            if provisional.pop(key, None) is not None:
+                self._provisional_count -= 1
+
     def blocks_of(self, backend: str) -> int:
         return self._held.get(backend, 0)
 
