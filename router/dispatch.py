@@ -224,6 +224,8 @@ class Dispatcher:
         def accepted() -> None:
             if chain:
                 self.index.record(backend.name, chain)
+                if self.precise is not None:
+                    self.precise.used(backend.name, chain)
 
         pending = PendingPrefill(backend, prompt_tokens - decision.matched_blocks * self.block_tokens)
         check = None

@@ -159,9 +159,9 @@ def test_the_memory_budget_refuses_new_blocks() -> None:
 class _Engine:
     """The simulated engine's LRU prefix cache, its events applied to the index as they happen."""
 
-    def __init__(self, index: PreciseIndex, capacity_blocks: int) -> None:
+    def __init__(self, index: PreciseIndex, capacity_blocks: int, rank: int = 0) -> None:
         self.cache = PrefixCache(capacity_blocks, B, chars_per_token=1)
-        self.cache.listener = lambda events: index.apply("a", 0, batch(*map(self._event, events)))
+        self.cache.listener = lambda events: index.apply("a", rank, batch(*map(self._event, events)))
 
     @staticmethod
     def _event(event: Stored | Removed | Cleared) -> BlockStored | BlockRemoved | AllBlocksCleared:
@@ -177,6 +177,10 @@ class _Engine:
         hit = self.cache.lookup(hashes, len(text) + 1)
         self.cache.insert(hashes, [ord(c) for c in text])
         return hit
+
+    def holds(self, text: str) -> int:
+        """Leading blocks of ``text`` cached now, without using them."""
+        return self.cache.lookup(self.cache.hashes(text, "m"), len(text) + 1)
 
 
 def chain_of(text: str) -> list[int]:
@@ -207,9 +211,9 @@ def test_a_routed_request_keeps_its_prefix_recent() -> None:
     doc_x, doc_y, doc_z = "x" * 16, "y" * 16, "z" * 4
     engine.run(doc_x)
     engine.run(doc_y)
-    # A request for X is routed there: the engine will use X's blocks, which become the newest.
-    index.record("a", chain_of(doc_x))
+    # A request for X ran there, a full hit that stores nothing: its first byte says X was used.
     assert engine.run(doc_x) == 4
+    index.used("a", chain_of(doc_x))
     engine.run(doc_z)  # evicts Y's tail, the least recently used now
     assert index.match_surviving(chain_of(doc_x), {"a": 3}) == {"a": 4}
     assert index.match_surviving(chain_of(doc_y), {"a": 3}) == {"a": 0}
@@ -233,3 +237,76 @@ def test_a_prefix_extended_by_traffic_the_router_never_saw_is_recent_again() -> 
     engine.run("v" * 8)
     assert engine.run(doc_x) == 4
     assert engine.run(doc_y) == 1
+
+
+def test_a_pick_whose_prefix_is_evicted_before_it_runs_does_not_throw_the_lru_end_off() -> None:
+    index = make_index()
+    engine = _Engine(index, capacity_blocks=8)
+    doc_x, doc_y, doc_z = "x" * 16, "y" * 16, "z" * 16
+    engine.run(doc_x)
+    engine.run(doc_y)
+    index.record("a", chain_of(doc_x))  # routed there, queued behind another prefill...
+    engine.run(doc_z)  # ...which runs first and evicts X, the least recently used
+    # One more stored block evicts Y's tail, and nothing of Z.
+    assert index.match_surviving(chain_of(doc_y), {"a": 1}) == {"a": 3}
+    assert index.match_surviving(chain_of(doc_z), {"a": 1}) == {"a": 4}
+    engine.run("v" * 4)
+    assert (engine.holds(doc_y), engine.holds(doc_z)) == (3, 4)
+
+
+def test_backends_with_several_ranks_get_no_eviction_ahead() -> None:
+    """The engine picks the rank: a busy rank's evictions say nothing of another's room."""
+    index = make_index()
+    rank0, rank1 = _Engine(index, capacity_blocks=8, rank=0), _Engine(index, capacity_blocks=1000, rank=1)
+    rank1.run("x" * 16)
+    for letter in "abcdef":
+        rank0.run(letter * 16)
+    assert index.match_surviving(chain_of("x" * 16), {"a": 1}) == {"a": 4}
+
+
+def test_blocks_stored_on_a_slower_tier_do_not_move_the_gpu_lru_clock() -> None:
+    def ahead_of_y(offloading: bool) -> int:
+        index = make_index(cpu=0.5)
+        engine_hashes = iter(range(10_000, 20_000))
+
+        def gpu_store(text: str) -> list[int]:
+            hashes = [next(engine_hashes) for _ in range(len(text) // B)]
+            index.apply("a", 0, batch(stored(hashes, None, [ord(c) for c in text])))
+            if offloading:  # the connector offloads other blocks to CPU meanwhile
+                others = [next(engine_hashes) for _ in range(len(text) // B)]
+                index.apply("a", 0, batch(stored(others, None, [ord("w")] * len(text), "CPU")))
+            return hashes
+
+        x = gpu_store("x" * 16)
+        gpu_store("y" * 16)
+        gpu_store("z" * 16)
+        index.apply("a", 0, batch(BlockRemoved(tuple(x), "GPU")))  # a GPU of 8 blocks evicts X
+        return index.match_surviving(chain_of("y" * 16), {"a": 2})["a"]
+
+    assert ahead_of_y(offloading=False) == ahead_of_y(offloading=True) == 2
+
+
+def test_a_large_cpu_tier_does_not_stop_a_used_prefix_from_becoming_recent() -> None:
+    index = make_index()
+    cpu_blocks = 640
+    tokens = [1000 + i // B for i in range(cpu_blocks * B)]
+    index.apply("a", 0, batch(stored(range(50_000, 50_000 + cpu_blocks), None, tokens, "CPU")))
+    engine = _Engine(index, capacity_blocks=8)
+    doc_x = "x" * 16
+    engine.run(doc_x)
+    engine.run("y" * 16)
+    assert engine.run(doc_x + "q" * 4) == 4  # X used, one block stored: Y's tail goes
+    assert index.match_surviving(chain_of(doc_x), {"a": 2}) == {"a": 4}
+    engine.run("v" * 8)
+    assert engine.holds(doc_x) == 4
+
+
+def test_a_cleared_cache_starts_without_an_lru_end() -> None:
+    index = make_index()
+    engine = _Engine(index, capacity_blocks=4)
+    engine.run("x" * 16)
+    engine.run("y" * 16)  # evicts X: the LRU end is known
+    index.apply("a", 0, batch(AllBlocksCleared()))
+    index.apply("a", 0, batch(stored([1, 2, 3, 4], None, [ord("z")] * 16)))
+    # A long queue ahead, but the cache restarted empty: no eviction is known to be coming.
+    assert index.match_surviving(chain_of("z" * 16), {"a": 8}) == {"a": 4}

@@ -1,7 +1,7 @@
 """The precise index: what each engine holds, as its KV events say (``index.mode: events``).
 
 Engines report every block they store and evict (:mod:`router.kv_events`); this index applies
-those reports and nothing else is believed for long. Three ideas:
+those reports and nothing else is believed for long. Four ideas:
 
 * **The router's own keys.** A stored block is keyed by :func:`router.tokenize.block_keys` over
   the event's ``token_ids``, chained from its parent block's key, so a request tokenized by the
@@ -18,14 +18,18 @@ those reports and nothing else is believed for long. Three ideas:
 * **Eviction ahead.** A match is a promise about the moment the engine runs the request, not
   the moment it is routed: the prefills queued in front of it store new blocks, and a full
   cache evicts its least recently used ones to make room. The index orders each backend's
-  GPU blocks by a stamp (the backend's count of stored blocks when the block was stored or a
-  routed request last used it; a chain's tail older than its head, as engines free a
-  request's blocks tail first) and learns from the eviction events where the LRU end stands
-  (the newest stamp evicted so far). :meth:`match_surviving` counts a GPU block only if its
-  stamp lies beyond that end by more than the blocks queued ahead, so a prefix that the
-  queue will evict before the request runs is not promised. A stored run's event names its
-  parent, so the prefix it extends (used by that request, even one the router never saw) is
-  stamped anew too; only a request that stores nothing (a full hit) uses blocks unseen.
+  GPU blocks by a stamp (the backend's count of GPU blocks stored when the block was stored or
+  last used; a chain's tail older than its head, as engines free a request's blocks tail
+  first) and learns from the eviction events where the LRU end stands
+  (the newest stamp of the latest eviction: a stamp the model got wrong misleads it only until
+  the next one). :meth:`match_surviving` counts a GPU block only if its stamp lies beyond that
+  end by more than the blocks queued ahead, so a prefix that the queue will evict before the
+  request runs is not promised. A stored run's event names its parent, so the prefix it
+  extends (used by the request that stored it, even one the router never saw) is stamped anew
+  when the engine runs that request; only a request that stores nothing (a full hit) uses
+  blocks unseen. A backend with several
+  data-parallel ranks is left out: the engine picks the rank, and the router knows neither
+  which nor each rank's own queue and LRU order.
 
 One engine (a backend) may publish several streams, one per data-parallel rank; a backend
 holds a block when any of its streams does.
@@ -127,10 +131,12 @@ class PreciseIndex(PrefixIndex):
         self._expiries: deque[tuple[float, str, int]] = deque()
         self._provisional_count = 0
         #: backend -> key -> stamp of its GPU blocks; the stamp clock is the backend's count of
-        #: stored blocks, and ``_lru_end`` the newest stamp the engine evicted (see match_surviving).
+        #: GPU blocks stored, and ``_lru_end`` the newest stamp of its latest eviction (see
+        #: match_surviving). ``_ranks``: the event streams (data-parallel ranks) of each backend.
         self._stamps: dict[str, dict[int, int]] = {}
         self._stored_blocks: dict[str, int] = {}
         self._lru_end: dict[str, int] = {}
+        self._ranks: dict[str, int] = {}
         #: Blocks the engines reported evicted, since start (``kvroute_index_evictions``).
         self.evictions = 0
         self.stats = PreciseStats()
@@ -165,6 +171,7 @@ class PreciseIndex(PrefixIndex):
         self._stamps.pop(name, None)
         self._stored_blocks.pop(name, None)
         self._lru_end.pop(name, None)
+        self._ranks.pop(name, None)
         self._backends.discard(name)
 
     async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
@@ -179,15 +186,16 @@ class PreciseIndex(PrefixIndex):
         until the request runs: ``ahead[name]`` is the number of blocks the prefills queued in
         front of it there will store (0 or None: no eviction foreseen). A GPU block whose stamp is
         within that many of the backend's LRU end is taken as evicted by then, and the match
-        ends there (see the module docstring)."""
+        ends there (see the module docstring); not for a backend with several ranks."""
         now = self._clock()
         depth = {name: 0.0 for name in ahead}
         alive = [name for name in depth if name in self._backends]
-        doomed_upto = {}
+        doomed_upto: dict[str, int | None] = {}
         for name in alive:
             end = self._lru_end.get(name)
             queued = ahead[name]
-            doomed_upto[name] = end + queued if end is not None and queued else None
+            single_rank = self._ranks.get(name, 0) <= 1
+            doomed_upto[name] = end + queued if end is not None and queued and single_rank else None
         gpu = self.weights["gpu"]
         for key in chain:
             holders = self._holders.get(key)
@@ -221,18 +229,30 @@ class PreciseIndex(PrefixIndex):
         self._purge(now)
         expiry = now + self.provisional_ttl_s
         holders = self._holders
-        # The request will use the blocks held there: they become the most recently used.
-        stamps, stamp = self._stamps[backend], self._stored_blocks[backend]
         for key in chain:
             held = holders.get(key)
             if held is not None and backend in held:
-                if key in stamps:
-                    stamps[key] = stamp
                 continue
             if key not in provisional:
                 self._provisional_count += 1
             provisional[key] = expiry
             self._expiries.append((expiry, backend, key))
+
+    def used(self, backend: str, chain: Sequence[int]) -> None:
+        """``backend``'s engine has just run a request for ``chain`` (its first byte came back): the
+        leading blocks it holds were used, and are now its most recently used. Its new blocks'
+        events say so for a request that stored any; for a full hit nothing else would. Called
+        then rather than at the pick: a request waiting in the engine's queue does not keep its
+        blocks from eviction, and a block stamped new but evicted meanwhile would put the LRU
+        end far ahead."""
+        stamps = self._stamps.get(backend)
+        if stamps is None:
+            return
+        now = self._stored_blocks[backend]
+        for key in chain:
+            if key not in stamps:
+                return
+            stamps[key] = now
 
     def withdraw(self, backend: str, chain: Sequence[int]) -> None:
         """The pick of ``backend`` for ``chain`` fell through before the engine took the prompt
@@ -261,7 +281,10 @@ class PreciseIndex(PrefixIndex):
         """Apply one decoded batch of stream ``(backend, rank)``, in order."""
         if backend not in self._backends:
             return
-        entries = self._sources.setdefault((backend, rank), {})
+        entries = self._sources.get((backend, rank))
+        if entries is None:
+            entries = self._sources[(backend, rank)] = {}
+            self._ranks[backend] = self._ranks.get(backend, 0) + 1
         for event in batch.events:
             if isinstance(event, BlockStored):
                 self._stored(backend, entries, event)
@@ -280,6 +303,9 @@ class PreciseIndex(PrefixIndex):
                 self._unhold(backend, entry.key, tier)
             self._unstamp(backend, entry.key)
         entries.clear()
+        if not self._stamps[backend]:
+            # An empty cache has no LRU end yet; an old one would doom the blocks stored next.
+            self._lru_end.pop(backend, None)
 
     def engine_hashes(self, backend: str) -> set[BlockHash]:
         """The engine hashes ``backend``'s streams report held: what its caches hold, if in sync."""
@@ -303,12 +329,15 @@ class PreciseIndex(PrefixIndex):
         while len(keys) < len(hashes):
             keys.append(xxhash.xxh3_64_intdigest(b"partial", seed=keys[-1] if keys else seed))
         tier = tier_of(event.medium)
+        gpu = tier == "gpu"
         provisional = self._provisional[backend]
         budget = self.max_blocks - self.size()
         # Stamps run backwards along the chain: its tail is the first to go (engines free a
-        # request's blocks tail first, and the LRU evicts the earliest freed).
+        # request's blocks tail first, and the LRU evicts the earliest freed). Only GPU stores
+        # move the clock: the LRU being modelled is the GPU's.
         stamps, first_stamp = self._stamps[backend], self._stored_blocks[backend]
-        now = self._stored_blocks[backend] = first_stamp + len(hashes)
+        now = first_stamp + len(hashes) if gpu else first_stamp
+        self._stored_blocks[backend] = now
         stamp = now
         parent_hash = event.parent_block_hash
         for block_hash, key in zip(hashes, keys, strict=False):
@@ -324,13 +353,13 @@ class PreciseIndex(PrefixIndex):
             elif tier not in entry.tiers:
                 entry.tiers.add(tier)
                 self._hold(backend, entry.key, tier)
-            if tier == "gpu":
+            if gpu:
                 stamps[entry.key] = stamp
             if provisional and provisional.pop(entry.key, None) is not None:
                 self._provisional_count -= 1
             parent_hash = block_hash
-        if tier == "gpu":
-            fresh = first_stamp - self._held[backend] // TOUCH_SLACK_SHARE
+        if gpu:
+            fresh = first_stamp - len(stamps) // TOUCH_SLACK_SHARE
             self._touch_ancestors(entries, stamps, event.parent_block_hash, now, fresh)
 
     @staticmethod
@@ -357,6 +386,7 @@ class PreciseIndex(PrefixIndex):
     def _removed(self, backend: str, entries: dict[BlockHash, _Entry], event: BlockRemoved) -> None:
         tier = tier_of(event.medium)
         provisional = self._provisional[backend]
+        newest_evicted: int | None = None
         for block_hash in event.block_hashes:
             entry = entries.get(block_hash)
             if entry is None or tier not in entry.tiers:
@@ -366,13 +396,15 @@ class PreciseIndex(PrefixIndex):
             self._unhold(backend, entry.key, tier)
             if tier == "gpu":
                 stamp = self._unstamp(backend, entry.key)
-                if stamp is not None and stamp > self._lru_end.get(backend, -1):
-                    self._lru_end[backend] = stamp
+                if stamp is not None and (newest_evicted is None or stamp > newest_evicted):
+                    newest_evicted = stamp
             if not entry.tiers:
                 del entries[block_hash]
             if provisional and provisional.pop(entry.key, None) is not None:
                 self._provisional_count -= 1
             self.evictions += 1
+        if newest_evicted is not None:
+            self._lru_end[backend] = newest_evicted
 
     def _unstamp(self, backend: str, key: int) -> int | None:
         """Drop the stamp of a block no stream of ``backend`` holds on the GPU any more; its stamp."""
