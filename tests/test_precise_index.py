@@ -187,6 +187,17 @@ def chain_of(text: str) -> list[int]:
     return block_keys([ord(c) for c in text], B)
 
 
+DOC_X, DOC_Y = "x" * 16, "y" * 16  # four blocks each
+
+
+def full_engine(index: PreciseIndex) -> _Engine:
+    """An engine of eight blocks that ran X, then Y: full, with X the least recently used."""
+    engine = _Engine(index, capacity_blocks=8)
+    engine.run(DOC_X)
+    engine.run(DOC_Y)
+    return engine
+
+
 def test_a_prefix_the_queue_ahead_will_evict_is_not_promised() -> None:
     index = make_index()
     engine = _Engine(index, capacity_blocks=8)
@@ -207,10 +218,8 @@ def test_a_prefix_the_queue_ahead_will_evict_is_not_promised() -> None:
 
 def test_a_routed_request_keeps_its_prefix_recent() -> None:
     index = make_index()
-    engine = _Engine(index, capacity_blocks=8)
-    doc_x, doc_y, doc_z = "x" * 16, "y" * 16, "z" * 4
-    engine.run(doc_x)
-    engine.run(doc_y)
+    engine = full_engine(index)
+    doc_x, doc_y, doc_z = DOC_X, DOC_Y, "z" * 4
     # A request for X ran there, a full hit that stores nothing: its first byte says X was used.
     assert engine.run(doc_x) == 4
     index.used("a", chain_of(doc_x))
@@ -224,10 +233,8 @@ def test_a_routed_request_keeps_its_prefix_recent() -> None:
 
 def test_a_prefix_extended_by_traffic_the_router_never_saw_is_recent_again() -> None:
     index = make_index()
-    engine = _Engine(index, capacity_blocks=8)
-    doc_x, doc_y = "x" * 16, "y" * 16
-    engine.run(doc_x)
-    engine.run(doc_y)
+    engine = full_engine(index)
+    doc_x, doc_y = DOC_X, DOC_Y
     # Sent around the router: it hits X's four blocks and stores one more after them, which
     # evicts Y's last block: Y is now the least recently used.
     assert engine.run(doc_x + "q" * 4) == 4
@@ -241,10 +248,8 @@ def test_a_prefix_extended_by_traffic_the_router_never_saw_is_recent_again() -> 
 
 def test_a_pick_whose_prefix_is_evicted_before_it_runs_does_not_throw_the_lru_end_off() -> None:
     index = make_index()
-    engine = _Engine(index, capacity_blocks=8)
-    doc_x, doc_y, doc_z = "x" * 16, "y" * 16, "z" * 16
-    engine.run(doc_x)
-    engine.run(doc_y)
+    engine = full_engine(index)
+    doc_x, doc_y, doc_z = DOC_X, DOC_Y, "z" * 16
     index.record("a", chain_of(doc_x))  # routed there, queued behind another prefill...
     engine.run(doc_z)  # ...which runs first and evicts X, the least recently used
     # One more stored block evicts Y's tail, and nothing of Z.
@@ -291,10 +296,8 @@ def test_a_large_cpu_tier_does_not_stop_a_used_prefix_from_becoming_recent() -> 
     cpu_blocks = 640
     tokens = [1000 + i // B for i in range(cpu_blocks * B)]
     index.apply("a", 0, batch(stored(range(50_000, 50_000 + cpu_blocks), None, tokens, "CPU")))
-    engine = _Engine(index, capacity_blocks=8)
-    doc_x = "x" * 16
-    engine.run(doc_x)
-    engine.run("y" * 16)
+    engine = full_engine(index)
+    doc_x = DOC_X
     assert engine.run(doc_x + "q" * 4) == 4  # X used, one block stored: Y's tail goes
     assert index.match_surviving(chain_of(doc_x), {"a": 2}) == {"a": 4}
     engine.run("v" * 8)

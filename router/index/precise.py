@@ -20,16 +20,16 @@ those reports and nothing else is believed for long. Four ideas:
   cache evicts its least recently used ones to make room. The index orders each backend's
   GPU blocks by a stamp (the backend's count of GPU blocks stored when the block was stored or
   last used; a chain's tail older than its head, as engines free a request's blocks tail
-  first) and learns from the eviction events where the LRU end stands
-  (the newest stamp of the latest eviction: a stamp the model got wrong misleads it only until
-  the next one). :meth:`match_surviving` counts a GPU block only if its stamp lies beyond that
-  end by more than the blocks queued ahead, so a prefix that the queue will evict before the
-  request runs is not promised. A stored run's event names its parent, so the prefix it
-  extends (used by the request that stored it, even one the router never saw) is stamped anew
-  when the engine runs that request; only a request that stores nothing (a full hit) uses
-  blocks unseen. A backend with several
-  data-parallel ranks is left out: the engine picks the rank, and the router knows neither
-  which nor each rank's own queue and LRU order.
+  first) and learns from the eviction events where the LRU end stands (the newest stamp of
+  the latest eviction: a stamp the model got wrong misleads it only until the next one).
+  :meth:`match_surviving` counts a GPU block only if its stamp lies beyond that end by more
+  than the blocks queued ahead, so a prefix that the queue will evict before the request runs
+  is not promised. A stored run's event names its parent, so the prefix it extends (used by
+  the request that stored it, even one the router never saw) is stamped anew when the engine
+  runs that request; :meth:`used` does the same for this router's requests once they ran,
+  since a full hit stores nothing. A backend with several data-parallel ranks is left out:
+  the engine picks the rank, and the router knows neither which nor each rank's own queue
+  and LRU order.
 
 One engine (a backend) may publish several streams, one per data-parallel rank; a backend
 holds a block when any of its streams does.
