@@ -9,6 +9,7 @@ ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvroute
 WORKDIR /src
 COPY pyproject.toml README.md ./
+COPY kvroute ./kvroute
 COPY router ./router
 COPY policies ./policies
 COPY loadtest ./loadtest

@@ -145,7 +145,7 @@ def _kvroute(
     ]
     config = workdir / f"kvroute-{name}.yaml"
     config.write_text("\n".join(lines) + "\n")
-    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
     return Contender(f"kvroute {name}", port, command)
 
 

@@ -49,9 +49,9 @@ from loadtest.report import format_table, percentile, summarize
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import TraceRequest, prompt_messages, read_trace
-from router.app import build_index
 from router.config import config_from_dict
-from router.index.redis import RedisIndex
+from router.http.app import build_index
+from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
 
 MODEL = "sim-model"
@@ -127,7 +127,7 @@ def routers(
             with open(workdir / f"{contender.label}-{i}.log", "wb") as log:
                 processes.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "router.cli", "serve", "--config", str(path)],
+                        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)],
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )

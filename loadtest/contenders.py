@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import contextlib
 import importlib.util
-import io
 import os
 import shutil
 import signal
@@ -123,7 +122,7 @@ def kvroute(
     lines += [f"  - {{name: n{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(backends)]
     config.write_text("\n".join(lines) + "\n")
     # This interpreter and this checkout, whatever ``kvroute`` the PATH may hold.
-    command = [sys.executable, "-m", "router.cli", "serve", "--config", str(config)]
+    command = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
     name = "kvroute"
     if workers > 1:
         command += ["--workers", str(workers)]
@@ -136,18 +135,6 @@ def floor(backends: list[str], cpus: str | None) -> Contender:
     port = free_port()
     command = [sys.executable, "-m", "loadtest.floor_proxy", str(port), *backends]
     return Contender("floor (aiohttp + upstream client)", port, pinned(command, cpus))
-
-
-def kvroute_has_workers() -> bool:
-    """Whether this kvroute's ``serve`` takes ``--workers`` (several processes on one port)."""
-    from router.cli import build_parser
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            build_parser().parse_args(["serve", "--config", "x.yaml", "--workers", "2"])
-    except SystemExit:
-        return False
-    return True
 
 
 NGINX_CONF = """\

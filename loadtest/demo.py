@@ -20,7 +20,7 @@ from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from loadtest.workload import Conversation, chat_workload
 from router.config import config_from_dict
-from router.server import RouterServer
+from router.http.server import RouterServer
 
 MODEL = "sim-model"
 ENGINES = 4

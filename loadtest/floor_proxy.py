@@ -2,7 +2,7 @@
 
     python -m loadtest.floor_proxy PORT BACKEND_URL [BACKEND_URL ...]
 
-aiohttp's server and kvroute's own upstream client (:mod:`router.upstream`) on uvloop, passing
+aiohttp's server and kvroute's own upstream client (:mod:`router.request_path.upstream`) on uvloop, passing
 each POST to the next backend in turn and its answer back (streams chunk by chunk), with none
 of kvroute's parsing, routing, limits, metrics or retries. ``loadtest.overhead`` measures it
 beside kvroute: the gap between the two is what kvroute's own work costs, and the floor itself
@@ -18,7 +18,7 @@ import uvloop
 from aiohttp import web
 
 from router.config import UpstreamConfig
-from router.upstream import UpstreamPool
+from router.request_path.upstream import UpstreamPool
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})
 

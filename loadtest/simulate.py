@@ -55,8 +55,8 @@ from policies.eviction import block_set_factory
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, RequestView
-from router.beliefs import ClosedLoop, Prediction
 from router.index import MemoryIndex
+from router.request_path.beliefs import ClosedLoop, Prediction
 
 
 @dataclass(frozen=True)

@@ -187,7 +187,7 @@ async def start_router(
     process = await asyncio.create_subprocess_exec(
         sys.executable,
         "-m",
-        "router.cli",
+        "kvroute.cli",
         "serve",
         "--config",
         str(config_path),

@@ -20,8 +20,8 @@ import yaml
 from policies.eviction import POLICIES as EVICTION_POLICIES
 from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
+from router.http.ratelimit import TenantLimits
 from router.kv_events.settings import EndpointConfig, EventsConfig, TokenizerConfig
-from router.ratelimit import TenantLimits
 
 ENGINES = ("vllm", "sglang")
 STORES = ("memory", "redis")
@@ -195,7 +195,7 @@ class IndexConfig:
     eviction: str = "lru"
     #: With ``eviction: ttl``, seconds a block is believed held after its last use.
     ttl_s: float = 120.0
-    #: Correct beliefs from the cached tokens engines report (router/beliefs.py).
+    #: Correct beliefs from the cached tokens engines report (router/request_path/beliefs.py).
     closed_loop: bool = False
     #: ... when an engine reports less than this share of the predicted cached tokens.
     closed_loop_tolerance: float = 0.5
@@ -260,7 +260,7 @@ class LimitsConfig:
     max_line_size: int = 8190
     max_field_size: int = 8190
     max_headers: int = 128
-    #: Rate limits and concurrency cap of every tenant without its own entry (router/ratelimit.py).
+    #: Rate limits and concurrency cap of every tenant without its own entry (router/http/ratelimit.py).
     tenant_default: dict = field(default_factory=dict)
     #: Per-tenant overrides: tenant name -> the same keys as ``tenant_default``.
     tenants: dict = field(default_factory=dict)
@@ -314,7 +314,7 @@ class HealthConfig:
     models_refresh_s: float = 30.0
     #: Passive ejection: consecutive failed requests (connection error, timeout, 5xx; never a
     #: 4xx) that take a backend out of rotation, for ``eject_s`` at first, doubling on each
-    #: failed re-admission trial up to ``max_eject_s`` (see router/circuit.py).
+    #: failed re-admission trial up to ``max_eject_s`` (see router/fleet/circuit.py).
     eject_after: int = 5
     eject_s: float = 10.0
     max_eject_s: float = 300.0
@@ -458,7 +458,7 @@ class DiscoveryConfig:
 
 @dataclass(frozen=True)
 class AuthConfig:
-    """``auth``: client API keys, each mapped to its tenant (router/auth.py).
+    """``auth``: client API keys, each mapped to its tenant (router/http/auth.py).
 
     Keys come from ``keys`` (tenant -> key or list of keys), ``keys_file`` (a YAML file of the
     same mapping) and ``keys_dir`` (a mounted Kubernetes Secret: one file per tenant, named by
@@ -474,7 +474,7 @@ class AuthConfig:
     trust_tenant_header: bool = False
 
     def validate(self) -> None:
-        from router.auth import load_keys
+        from router.http.auth import load_keys
 
         load_keys(self)
 

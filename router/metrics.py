@@ -9,14 +9,10 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
-
-if TYPE_CHECKING:
-    from router.backends import Backend
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: A routing decision takes well under a millisecond locally; a remote index adds a round trip.
@@ -192,17 +188,25 @@ class RouterMetrics:
             self.index_capacity,
         )
 
-    def show_backend(self, backend: Backend) -> None:
-        """Set a backend's state gauges (called at scrape time); stale engine numbers have no sample."""
-        name = backend.name
-        self.healthy.labels(name).set(1 if backend.healthy else 0)
-        self.circuit_state.labels(name).set(int(backend.circuit.state))
-        self.draining.labels(name).set(1 if backend.draining or backend.terminating else 0)
-        engine = backend.fresh_engine_stats()
+    def show_backend(
+        self,
+        name: str,
+        *,
+        healthy: bool,
+        circuit_state: int,
+        draining: bool,
+        waiting: float | None,
+        running: float | None,
+        kv_usage: float | None,
+    ) -> None:
+        """Set a backend's state gauges (at scrape time); engine numbers given as None have no sample."""
+        self.healthy.labels(name).set(1 if healthy else 0)
+        self.circuit_state.labels(name).set(circuit_state)
+        self.draining.labels(name).set(1 if draining else 0)
         for gauge, value in (
-            (self.engine_waiting, engine.waiting if engine else None),
-            (self.engine_running, engine.running if engine else None),
-            (self.engine_kv_usage, engine.kv_usage if engine else None),
+            (self.engine_waiting, waiting),
+            (self.engine_running, running),
+            (self.engine_kv_usage, kv_usage),
         ):
             if value is None:
                 with contextlib.suppress(KeyError):

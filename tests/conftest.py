@@ -17,7 +17,7 @@ from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import config_from_dict, load_config
-from router.server import RouterServer
+from router.http.server import RouterServer
 from tests.fault_engine import FaultEngine, start_engines
 from tests.redis_servers import RedisServer, redis_server
 

@@ -7,7 +7,7 @@ from typing import Any
 import pytest
 import yaml
 
-from router.config_view import REDACTED, redact
+from router.http.config_view import REDACTED, redact
 from tests.fault_engine import FaultEngine, backends
 
 ADMIN_KEY = "ADMINSECRET-3"

@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import config_from_dict
-from router.server import RouterServer
+from router.http.server import RouterServer
 
 #: Engines with no decode delay: a generated max_tokens of thousands must still finish at once.
 INSTANT = EngineTiming(prefill_base_s=0.0, prefill_per_token_s=0.0, decode_step_s=0.0, decode_per_seq_s=0.0)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-KVROUTE = [sys.executable, "-m", "router.cli"]
+KVROUTE = [sys.executable, "-m", "kvroute.cli"]
 
 
 def free_port_pair() -> int:

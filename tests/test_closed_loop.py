@@ -11,10 +11,10 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from policies.eviction import block_set_factory
-from router.beliefs import ClosedLoop
 from router.config import ConfigError, config_from_dict
 from router.index import MemoryIndex
-from router.usage import UsageTap, cached_tokens, request_usage
+from router.request_path.beliefs import ClosedLoop
+from router.request_path.usage import UsageTap, cached_tokens, request_usage
 from tests.conftest import FAST, backends_of, scrape, total
 
 MODEL = "sim-model"

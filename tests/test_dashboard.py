@@ -25,7 +25,7 @@ import aiohttp
 import pytest
 
 from loadtest.sim.fleet import SimFleet
-from router.server import RouterServer
+from router.http.server import RouterServer
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.prometheus_server import PrometheusError, PrometheusServer
 from tests.redis_servers import RedisServer, redis_server

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from router.backends import BackendPool
 from router.config import BackendConfig
+from router.fleet.backends import BackendPool
 
 
 def follow(pool: BackendPool) -> list[tuple[str, str]]:

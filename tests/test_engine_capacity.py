@@ -1,4 +1,4 @@
-"""The engine's reported KV capacity sizes the router's beliefs (router/capacity.py).
+"""The engine's reported KV capacity sizes the router's beliefs (router/fleet/capacity.py).
 
 Unit level: the conversion to index blocks, who wins, and each store's ``set_capacity``.
 End to end: a router configured with a capacity far from its simulated engines' caches learns
@@ -17,16 +17,16 @@ import pytest
 from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
-from router.app import build_index
-from router.backends import Backend, BackendPool
-from router.capacity import CapacitySizer
 from router.config import BackendConfig, EngineMetricsConfig, IndexConfig, config_from_dict
-from router.engines import EngineStats
+from router.fleet.backends import Backend, BackendPool
+from router.fleet.capacity import CapacitySizer
+from router.fleet.engines import EngineStats
+from router.fleet.scraper import LoadScraper
+from router.http.app import build_index
 from router.index import MemoryIndex
 from router.index.precise import PreciseIndex
-from router.index.redis import RedisIndex
+from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
-from router.scraper import LoadScraper
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
 

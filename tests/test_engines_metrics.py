@@ -13,7 +13,7 @@ import pytest
 from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
-from router.engines import ADAPTERS, EngineStats
+from router.fleet.engines import ADAPTERS, EngineStats
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.fault_engine import MODEL, backends, start_engines
 

@@ -21,7 +21,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from router.config import config_from_dict
-from router.server import RouterServer
+from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
 
 KNOWN = {"model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens", "user", "tools"}

@@ -1,11 +1,11 @@
-"""router.hashing: a prompt becomes a chain of xxh3_64 block hashes, seeded per (tenant, model)."""
+"""router.index.keys: a prompt becomes a chain of xxh3_64 block hashes, seeded per (tenant, model)."""
 
 from __future__ import annotations
 
 import pytest
 import xxhash
 
-from router.hashing import PrefixHasher, chain_seed
+from router.index.keys import PrefixHasher, chain_seed
 
 SEED = chain_seed("tenant-a", "llama")
 

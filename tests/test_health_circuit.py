@@ -7,7 +7,7 @@ import asyncio
 
 import aiohttp
 
-from router.circuit import CircuitBreaker, CircuitState
+from router.fleet.circuit import CircuitBreaker, CircuitState
 from tests.conftest import eventually, scrape, total
 from tests.fault_engine import MODEL, backends
 

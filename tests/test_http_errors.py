@@ -8,7 +8,7 @@ import orjson
 import pytest
 from aiohttp import web
 
-from router.http_errors import OpenAIErrorRunner
+from router.http.protocol_errors import OpenAIErrorRunner
 from tests.conftest import backends_of
 
 LIMITS = {"max_line_size": 1024, "max_field_size": 512, "max_headers": 20}

@@ -13,11 +13,11 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 
 from loadtest.sim.kv_events import KVEventPublisher, Stored, encode_batch
+from router.index.keys import block_keys
 from router.index.precise import PreciseIndex
 from router.kv_events.metrics import KVEventMetrics
 from router.kv_events.sources import EventSource
 from router.kv_events.subscriber import StreamSubscriber
-from router.tokenize import block_keys
 
 B = 4
 

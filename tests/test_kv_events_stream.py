@@ -16,10 +16,10 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from router.app import INDEX, POOL
 from router.config import BackendConfig
+from router.http.app import INDEX, POOL
+from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from router.server import RouterServer
 from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
 
 #: Small KV caches (48 blocks of 16 tokens), so a handful of prompts forces evictions.

@@ -5,12 +5,12 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
-from router.beliefs import BeliefMetrics
+from router.http.ratelimit import RateLimiter
+from router.http.reload import reload_counter
 from router.index.precise import PreciseIndex
 from router.kv_events.metrics import KVEventMetrics
 from router.metrics import RedisMetrics, RouterMetrics
-from router.ratelimit import RateLimiter
-from router.reload import reload_counter
+from router.request_path.beliefs import BeliefMetrics
 from tests.conftest import backends_of, scrape, total
 
 README = Path(__file__).resolve().parent.parent / "README.md"

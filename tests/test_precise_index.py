@@ -6,9 +6,9 @@ import pytest
 
 from loadtest.sim.cache import PrefixCache
 from loadtest.sim.kv_events import Cleared, Removed, Stored
+from router.index.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from router.index.keys import block_keys
 from router.index.precise import PreciseIndex, tier_of
-from router.kv_events.decode import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
-from router.tokenize import block_keys
 
 B = 4
 TOKENS = list(range(100, 116))  # four blocks of four tokens

@@ -9,9 +9,9 @@ import aiohttp
 import pytest
 
 from loadtest.sim.fleet import SimFleet
-from router.app import INDEX
+from router.http.app import INDEX
+from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from router.server import RouterServer
 from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
 
 EVENTS = {"mode": "events", "tokenizer": {"kind": "chunk"}}

@@ -19,8 +19,9 @@ from loadtest.sim.fleet import SimFleet
 from loadtest.sim.protocol import render_chat
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
+from router.index.keys import block_keys
 from router.kv_events.settings import TokenizerConfig
-from router.tokenize import ChunkTokenizer, HFTokenizer, block_keys, chunk_token_ids
+from router.request_path.tokenize import ChunkTokenizer, HFTokenizer, chunk_token_ids
 from tests.conftest import FAST, MakeRouter, backends_of
 
 TEMPLATE = (

@@ -14,7 +14,7 @@ import pytest
 
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
-from router.ratelimit import SWEEP_EVERY, RateLimiter
+from router.http.ratelimit import SWEEP_EVERY, RateLimiter
 from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
 

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from policies.eviction import block_set_factory
-from router.app import build_index
 from router.config import config_from_dict
+from router.http.app import build_index
 from router.index import MemoryIndex
-from router.index.redis import WARM_CONNECTIONS, RedisIndex
+from router.index.redis_store import WARM_CONNECTIONS, RedisIndex
 from router.metrics import RouterMetrics
 from tests.conftest import eventually
 from tests.redis_servers import redis_server

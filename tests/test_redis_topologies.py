@@ -6,9 +6,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from router.backends import BackendPool
 from router.config import BackendConfig
-from router.shared_load import SharedLoad
+from router.fleet.backends import BackendPool
+from router.fleet.shared_load import SharedLoad
 from tests.conftest import eventually
 from tests.redis_servers import RedisClusterServers, RedisSentinel, redis_server
 from tests.test_redis_index import open_index, sample

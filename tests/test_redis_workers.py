@@ -12,7 +12,7 @@ import aiohttp
 import yaml
 
 from router.config import config_from_dict
-from router.workers import refusal
+from router.http.processes import refusal
 from tests.conftest import backends_of, eventually
 from tests.redis_servers import free_port, redis_server
 
@@ -37,10 +37,10 @@ def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``kvroute ARGS``; its output piped (read it with communicate), or appended to ``log``."""
     if log is None:
         return subprocess.Popen(
-            [sys.executable, "-m", "router.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            [sys.executable, "-m", "kvroute.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
         )
     with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "router.cli", *args], stdout=out, stderr=out)
+        return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out, stderr=out)
 
 
 def test_workers_with_the_memory_store_are_refused(tmp_path):

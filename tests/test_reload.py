@@ -8,7 +8,7 @@ from typing import Any
 import aiohttp
 import pytest
 
-from router.app import RUNTIME
+from router.http.app import RUNTIME
 from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
 

@@ -1,4 +1,4 @@
-"""router.request.parse_request: a body becomes a RoutableRequest once, or a clear 4xx."""
+"""router.request_path.request.parse_request: a body becomes a RoutableRequest once, or a clear 4xx."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from multidict import CIMultiDict
 
 from router.config import TenancyConfig
 from router.errors import OpenAIError
-from router.request import CHAT, COMPLETIONS, RoutableRequest, parse_request
+from router.request_path.request import CHAT, COMPLETIONS, RoutableRequest, parse_request
 
 TENANCY = TenancyConfig()
 SESSION_HEADER = "x-session-id"
@@ -85,7 +85,8 @@ def test_max_tokens(extra: dict[str, Any], expected: int) -> None:
 
 
 def test_explicit_null_max_completion_tokens_falls_back_to_max_tokens() -> None:
-    # SOURCE BUG (router/request.py parse_request): get("max_completion_tokens", get("max_tokens"))
+    # SOURCE BUG (router/request_path/request.py parse_request):
+    # get("max_completion_tokens", get("max_tokens"))
     # returns the explicit null instead of falling back to max_tokens.
     assert parse(chat([msg("user", "hi")], max_completion_tokens=None, max_tokens=5)).max_tokens == 5
 
@@ -316,14 +317,14 @@ def test_bad_requests_get_400_naming_the_param(endpoint: str, body: Any, param: 
 
 
 def test_bool_token_ids_in_nested_lists_are_rejected_like_flat_ones() -> None:
-    # SOURCE BUG (router/request.py _completion_prompt): the list-of-lists branch checks
+    # SOURCE BUG (router/request_path/request.py _completion_prompt): the list-of-lists branch checks
     # isinstance(t, int) without excluding bool, so [[1, true]] is accepted while [1, true] is not.
     error = expect_error({"model": "m", "prompt": [[1, True]]}, endpoint=COMPLETIONS)
     assert (error.status, error.param) == (400, "prompt")
 
 
 def test_invalid_max_completion_tokens_is_reported_under_its_own_name() -> None:
-    # SOURCE BUG (router/request.py parse_request): the error always says param='max_tokens'.
+    # SOURCE BUG (router/request_path/request.py parse_request): the error always says param='max_tokens'.
     error = expect_error(chat(CHAT_OK, max_completion_tokens=-1))
     assert (error.status, error.param) == (400, "max_completion_tokens")
 
@@ -367,7 +368,8 @@ def _nested_in_chat(where: str, depth: int) -> bytes:
 
 @pytest.mark.parametrize("where", ["tools", "tool_calls", "content_part"])
 def test_nesting_that_parses_but_cannot_be_re_serialised_gets_400(where: str) -> None:
-    # SOURCE BUG (router/request.py _canonical): orjson.loads accepts 1024 levels but orjson.dumps
+    # SOURCE BUG (router/request_path/request.py _canonical): orjson.loads accepts 1024 levels but
+    # orjson.dumps
     # stops at 255 and raises TypeError ("Recursion limit reached"), which escapes as a 500.
     error = expect_error(_nested_in_chat(where, 300))
     assert error.status == 400
@@ -443,8 +445,8 @@ def test_session_key(headers: dict[str, str], user: Any, expected: str | None) -
 
 def test_a_message_that_extends_another_shares_its_leading_blocks():
     """A long document, then the same document with a question appended, must share blocks."""
-    from router.hashing import PrefixHasher, chain_seed
-    from router.request import parse_request as parse
+    from router.index.keys import PrefixHasher, chain_seed
+    from router.request_path.request import parse_request as parse
 
     tenancy = TenancyConfig()
     document = "Paragraph of a long document. " * 100

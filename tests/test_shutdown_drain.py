@@ -31,7 +31,7 @@ async def _start_router(tmp_path, fleet: SimFleet) -> tuple[asyncio.subprocess.P
         )
     )
     process = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "router.cli", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE
+        sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config), stdout=asyncio.subprocess.PIPE
     )
     assert process.stdout is not None
     line = (await asyncio.wait_for(process.stdout.readline(), 20)).decode()

@@ -9,10 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.cli import main
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
 from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
-from router.cli import main
 
 TIMING = EngineTiming()
 

@@ -1,4 +1,5 @@
-"""The request path's upstream client (router/upstream.py) against scripted backends on loopback."""
+"""The request path's upstream client (router/request_path/upstream.py) against scripted backends
+on loopback."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from router.config import UpstreamConfig
-from router.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
+from router.request_path.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
 from tests.conftest import eventually
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"

@@ -8,7 +8,7 @@ With ``kv_events="vllm"`` (or ``"sglang"``) the engine also publishes its cache'
 events in that engine's format (:mod:`loadtest.sim.kv_events`), says where at that engine's own
 discovery endpoint (vLLM ``GET /kv_event_sources``, SGLang ``GET /server_info``), and accepts
 ``POST /reset_prefix_cache`` (which publishes ``AllBlocksCleared``). Its token ids are the
-simulator's (:func:`router.tokenize.chunk_token_ids`).
+simulator's (:func:`router.request_path.tokenize.chunk_token_ids`).
 
 A client that goes away stops costing anything: the server runs with ``handler_cancellation``, so
 the handler is cancelled on disconnect (aiohttp >= 3.9 does not cancel by default), and a failed
@@ -42,7 +42,7 @@ from loadtest.sim.protocol import (
 )
 from loadtest.sim.scheduler import RequestRecord, Scheduler, SimRequest, State
 from loadtest.sim.timing import EngineTiming
-from router.tokenize import chunk_token_ids
+from router.request_path.tokenize import chunk_token_ids
 
 #: Long chat histories are large; vLLM sets no small body limit either.
 _MAX_BODY_BYTES = 64 * 1024 * 1024

@@ -21,7 +21,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from policies.routing.base import RoutingPolicy
-from policies.routing.hashing import key_hash
+from policies.routing.stable_hash import key_hash
 from policies.types import BackendView, Decision, RequestView
 
 #: Rings kept for distinct candidate sets (models x health changes): a small LRU.

@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from policies.routing.base import RoutingPolicy
-from policies.routing.hashing import key_hash
+from policies.routing.stable_hash import key_hash
 from policies.types import BackendView, Decision, RequestView
 
 

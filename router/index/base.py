@@ -13,7 +13,7 @@ class PrefixIndex(ABC):
 
     def belief_rank(self, backend: str, block: int) -> Any:
         """Where ``block`` stands in ``backend``'s believed eviction order (None: not held, or
-        an index that cannot correct its beliefs). Closed-loop beliefs (router/beliefs.py)."""
+        an index that cannot correct its beliefs). Closed-loop beliefs (router/request_path/beliefs.py)."""
         return None
 
     def forget_through(self, backend: str, rank: Any) -> int:
@@ -31,7 +31,7 @@ class PrefixIndex(ABC):
     @abstractmethod
     def set_capacity(self, name: str, capacity_blocks: int) -> None:
         """Re-size ``name``'s believed capacity, once its engine reported its real KV cache size
-        (router/capacity.py). Shrinking evicts at once, by the eviction policy; an index whose
+        (router/fleet/capacity.py). Shrinking evicts at once, by the eviction policy; an index whose
         entries the engine bounds itself (precise mode) only records the number."""
 
     @abstractmethod

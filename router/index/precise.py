@@ -3,7 +3,7 @@
 Engines report every block they store and evict (:mod:`router.kv_events`); this index applies
 those reports and nothing else is believed for long. Four ideas:
 
-* **The router's own keys.** A stored block is keyed by :func:`router.tokenize.block_keys` over
+* **The router's own keys.** A stored block is keyed by :func:`router.index.keys.block_keys` over
   the event's ``token_ids``, chained from its parent block's key, so a request tokenized by the
   router produces the same keys. Engine hashes are only *mapped* to those keys, per event
   stream: no engine hash algorithm, seed or signedness is reproduced, and vLLM and SGLang
@@ -46,8 +46,8 @@ from functools import lru_cache
 import xxhash
 
 from router.index.base import PrefixIndex
-from router.kv_events.decode import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
-from router.tokenize import ROOT_KEY, block_keys, namespace_seed
+from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
+from router.index.keys import ROOT_KEY, block_keys, namespace_seed
 
 #: Storage tiers a match can be weighted by, and the engines' medium names for them.
 TIERS = ("gpu", "cpu", "disk")

@@ -22,56 +22,18 @@ with a namespace get router keys no request chain produces (see :mod:`router.ind
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 import msgspec
 
+from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, Event, EventBatch
+
 #: ``seq`` of the replay stream's end marker: ``(-1).to_bytes(8, "big", signed=True)``.
 END_SEQ = b"\xff" * 8
-
-BlockHash = int | bytes
 
 
 class DecodeError(ValueError):
     """A payload or frame set is not a KV event batch; the message says what was wrong."""
-
-
-@dataclass(frozen=True, slots=True)
-class BlockStored:
-    block_hashes: tuple[BlockHash, ...]
-    #: Hash of the block before the first one; None when the first block starts the sequence.
-    parent_block_hash: BlockHash | None
-    #: Tokens of all the blocks, concatenated.
-    token_ids: tuple[int, ...]
-    block_size: int
-    #: As sent ("GPU", "CPU", "CPU_PINNED", "STORAGE", "DISK", ...); None means the GPU pool.
-    medium: str | None
-    #: Non-empty when the blocks are keyed by more than their tokens (LoRA, salt, extra keys).
-    namespace: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class BlockRemoved:
-    block_hashes: tuple[BlockHash, ...]
-    medium: str | None
-
-
-@dataclass(frozen=True, slots=True)
-class AllBlocksCleared:
-    pass
-
-
-Event = BlockStored | BlockRemoved | AllBlocksCleared
-
-
-@dataclass(frozen=True, slots=True)
-class EventBatch:
-    ts: float
-    events: tuple[Event, ...]
-    dp_rank: int | None
-    #: Events of a type this decoder does not know (a newer engine); skipped, counted by callers.
-    unknown: int = 0
 
 
 class _MapStored(msgspec.Struct, tag="BlockStored", tag_field="type", kw_only=True):

@@ -11,7 +11,7 @@ from importlib.util import find_spec
 from pathlib import Path
 
 from router.index.precise import DEFAULT_MEDIUM_WEIGHTS, TIERS
-from router.tokenize import ChunkTokenizer, HFTokenizer, Tokenizer
+from router.request_path.tokenize import ChunkTokenizer, HFTokenizer, Tokenizer
 
 TOKENIZER_KINDS = ("hf", "chunk")
 

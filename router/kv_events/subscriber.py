@@ -35,8 +35,8 @@ from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import parse_monitor_message
 
 from policies.params import parse_params
-from router.backends import Backend, BackendPool
 from router.config import Config
+from router.fleet.backends import Backend, BackendPool
 from router.index import PrefixIndex
 from router.index.precise import PreciseIndex
 from router.kv_events.decode import AllBlocksCleared, DecodeError, decode_batch, parse_live, parse_replay

@@ -1,0 +1,171 @@
+"""The fleet as the router sees it: each backend's models, health, load and in-flight requests.
+
+The pool changes at run time (discovery adds and removes backends); whoever keeps state per
+backend (the prefix index, metrics, a KV event subscriber) subscribes to it and follows.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterable, Iterator
+
+from policies.types import BackendView
+from router.config import BackendConfig, HealthConfig
+from router.fleet.circuit import CircuitBreaker
+from router.fleet.engines import EngineStats
+from router.metrics import RouterMetrics
+
+
+class Backend:
+    def __init__(self, config: BackendConfig, health: HealthConfig | None = None) -> None:
+        health = health or HealthConfig()
+        self.config = config
+        self.name = config.name
+        self.url = config.url.rstrip("/")
+        #: Configured models, or those last read from the backend's ``/v1/models``.
+        self.models: frozenset[str] = frozenset(config.models or ())
+        #: Out of rotation until its first successful check (done before the router listens).
+        self.healthy = False
+        self.consecutive_failures = 0
+        #: Requests this router has sent there and not yet finished (released on every path).
+        self.in_flight = 0
+        #: Requests the other router replicas have there, as last read from the shared load view.
+        self.remote_in_flight = 0
+        #: Uncached prompt tokens of this router's requests there without a first byte
+        #: (router/request_path/prefill.py).
+        self.pending_prefill_tokens = 0
+        #: Passive ejection from what real requests get (router/fleet/circuit.py).
+        self.circuit = CircuitBreaker(health.eject_after, health.eject_s, health.max_eject_s)
+        #: Taken out of rotation by an operator (config ``drain: true`` or the admin API).
+        self.draining = config.drain
+        #: Going away (a terminating Kubernetes endpoint): in-flight requests finish, no new ones.
+        self.terminating = False
+        #: The engine's last scrape, shown to policies until ``engine_fresh_until`` (monotonic).
+        self.engine: EngineStats | None = None
+        self.engine_fresh_until = 0.0
+
+    def record_failure(self, unhealthy_after: int) -> None:
+        """A failed active check: after ``unhealthy_after`` in a row it leaves rotation."""
+        self.consecutive_failures += 1
+        if self.consecutive_failures >= unhealthy_after:
+            self.healthy = False
+
+    def record_success(self) -> None:
+        self.consecutive_failures = 0
+        self.healthy = True
+
+    def set_engine_stats(self, stats: EngineStats, stale_after_s: float) -> None:
+        self.engine = stats
+        self.engine_fresh_until = time.monotonic() + stale_after_s
+
+    def fresh_engine_stats(self) -> EngineStats | None:
+        """The last scrape while it is fresh; None once it is older than the staleness bound."""
+        return self.engine if time.monotonic() < self.engine_fresh_until else None
+
+    @property
+    def routable(self) -> bool:
+        """In rotation: passes active checks, not ejected, not draining or terminating."""
+        return self.healthy and not self.draining and not self.terminating and self.circuit.available()
+
+    @property
+    def state(self) -> str:
+        """One word for the admin API and logs, most severe first."""
+        if not self.healthy:
+            return "unhealthy"
+        if self.terminating:
+            return "terminating"
+        if self.draining:
+            return "draining"
+        return self.circuit.state.name.lower()
+
+    @property
+    def discovers_models(self) -> bool:
+        return self.config.models is None
+
+    def show(self, metrics: RouterMetrics) -> None:
+        """Set this backend's state gauges (at scrape time); stale engine numbers have no sample."""
+        engine = self.fresh_engine_stats()
+        metrics.show_backend(
+            self.name,
+            healthy=self.healthy,
+            circuit_state=int(self.circuit.state),
+            draining=self.draining or self.terminating,
+            waiting=engine.waiting if engine else None,
+            running=engine.running if engine else None,
+            kv_usage=engine.kv_usage if engine else None,
+        )
+
+    def view(self, matched_blocks: int, cached_blocks: int) -> BackendView:
+        engine = self.fresh_engine_stats()
+        return BackendView(
+            name=self.name,
+            matched_blocks=matched_blocks,
+            in_flight=self.in_flight + self.remote_in_flight,
+            engine_waiting=engine.waiting if engine else None,
+            engine_running=engine.running if engine else None,
+            kv_usage=engine.kv_usage if engine else None,
+            cached_blocks=cached_blocks,
+            pending_prefill_tokens=self.pending_prefill_tokens,
+        )
+
+
+#: Called with a backend just added to, or just removed from, the pool.
+PoolListener = Callable[[Backend], None]
+
+
+class BackendPool:
+    def __init__(self, configs: Iterable[BackendConfig] = (), health: HealthConfig | None = None) -> None:
+        self.health = health or HealthConfig()
+        self._backends = {c.name: Backend(c, self.health) for c in configs}
+        self._on_added: list[PoolListener] = []
+        self._on_removed: list[PoolListener] = []
+
+    def subscribe(self, on_added: PoolListener, on_removed: PoolListener) -> None:
+        """Follow changes: ``on_added`` for each backend added from now on (those already in
+        the pool are the caller's to iterate), ``on_removed`` for each one leaving (its
+        in-flight requests still finish: they hold the Backend object)."""
+        self._on_added.append(on_added)
+        self._on_removed.append(on_removed)
+
+    def add(self, config: BackendConfig) -> Backend:
+        """Add a backend; one of the same name but another config is replaced."""
+        current = self._backends.get(config.name)
+        if current is not None:
+            if current.config == config:
+                return current
+            self.remove(config.name)
+        backend = Backend(config, self.health)
+        self._backends[config.name] = backend
+        for listener in self._on_added:
+            listener(backend)
+        return backend
+
+    def remove(self, name: str) -> Backend | None:
+        backend = self._backends.pop(name, None)
+        if backend is not None:
+            for listener in self._on_removed:
+                listener(backend)
+        return backend
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._backends
+
+    def __len__(self) -> int:
+        return len(self._backends)
+
+    def __iter__(self) -> Iterator[Backend]:
+        """A snapshot: the pool may change while the caller awaits between items."""
+        return iter(list(self._backends.values()))
+
+    def __getitem__(self, name: str) -> Backend:
+        return self._backends[name]
+
+    def serving(self, model: str) -> list[Backend]:
+        """Every backend that serves ``model``, healthy or not."""
+        return [b for b in self._backends.values() if model in b.models]
+
+    def models(self) -> list[str]:
+        return sorted({m for b in self._backends.values() for m in b.models})
+
+    def any_healthy(self) -> bool:
+        return any(b.routable and b.models for b in self._backends.values())

@@ -1,0 +1,115 @@
+"""The shared load view: every router replica's in-flight requests per backend, summed.
+
+A policy weighing "how busy is this backend" must count the requests every replica sent
+there, not only its own, or N replicas each pile up to the threshold on the same engine.
+Each replica publishes its own counts every ``load_interval_s`` (one script call, which
+also returns everyone else's sums), and each backend's view then shows its own in-flight
+count, current to the request, plus the others', at most one interval old.
+
+Liveness: a replica's counts live under its id with its last publish time; one that has
+not published for ``load_ttl_s`` (it died) stops counting then, and its fields are deleted
+by the next publisher. A replica that stops cleanly withdraws its counts at once. While
+Redis is unavailable the others' counts are dropped after ``load_ttl_s``: the view falls
+back to this replica's own, rather than steering by a frozen picture of the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import socket
+import time
+import uuid
+
+from router.fleet.backends import Backend, BackendPool
+from router.index.base import PrefixIndex
+from router.index.redis_scripts import LEAVE, LOAD, Keys, Script
+from router.index.redis_store import RedisIndex
+from router.redis.breaker import RedisLink, RedisUnavailable
+from router.tasks import stop_task
+
+_LOAD = Script(LOAD)
+_LEAVE = Script(LEAVE)
+
+
+def replica_id() -> str:
+    """Unique per process and start: host, pid and a random suffix (no '/', the field separator)."""
+    host = socket.gethostname().replace("/", "_")
+    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
+
+
+class SharedLoad:
+    def __init__(self, link: RedisLink, pool: BackendPool) -> None:
+        self.link = link
+        self.pool = pool
+        self.config = link.config
+        self.keys = Keys(self.config.namespace)
+        self.id = replica_id()
+        self._last_sync = 0.0
+        self._task: asyncio.Task[None] | None = None
+        #: Backends that left the pool since the last publish: their fields are withdrawn.
+        self._dropped: set[str] = set()
+        pool.subscribe(lambda backend: None, self._on_removed)
+
+    def _on_removed(self, backend: Backend) -> None:
+        self._dropped.add(backend.name)
+        with contextlib.suppress(KeyError):  # no sample yet: nothing to remove
+            self.link.metrics.others_in_flight.remove(backend.name)
+
+    def start(self) -> None:
+        self._task = asyncio.create_task(self._run(), name="kvroute-shared-load")
+
+    async def sync_once(self) -> None:
+        """Publish this replica's counts and take in the others'; RedisUnavailable when Redis fails."""
+        dropped = sorted(self._dropped - {backend.name for backend in self.pool})
+        args: list[object] = [self.id, int(self.config.load_ttl_s * 1000), len(dropped), *dropped]
+        for backend in self.pool:
+            args += [backend.name, backend.in_flight]
+        reply = await self.link.call(
+            "load",
+            lambda: _LOAD(self.link.client, [self.keys.replicas, self.keys.load], args),
+            self.config.background_timeout_ms / 1000,
+        )
+        self._last_sync = time.monotonic()
+        self._dropped.difference_update(dropped)
+        others = {
+            (name.decode() if isinstance(name, bytes) else name): int(count)
+            for name, count in zip(reply[::2], reply[1::2], strict=True)
+        }
+        self._set_others(others)
+
+    def _set_others(self, others: dict[str, int]) -> None:
+        for backend in self.pool:
+            backend.remote_in_flight = others.get(backend.name, 0)
+            self.link.metrics.others_in_flight.labels(backend.name).set(backend.remote_in_flight)
+
+    async def _run(self) -> None:
+        while True:
+            if self.link.up:
+                with contextlib.suppress(RedisUnavailable):
+                    await self.sync_once()
+            if time.monotonic() - self._last_sync > self.config.load_ttl_s:
+                self._set_others({})
+            await asyncio.sleep(self.config.load_interval_s)
+
+    async def close(self) -> None:
+        """Stop publishing and withdraw this replica's counts (best effort, bounded)."""
+        if self._task is not None:
+            await stop_task(self._task)
+        names = [backend.name for backend in self.pool]
+        with contextlib.suppress(RedisUnavailable):
+            await self.link.call(
+                "load",
+                lambda: _LEAVE(self.link.client, [self.keys.replicas, self.keys.load], [self.id, *names]),
+                self.config.background_timeout_ms / 1000,
+            )
+
+
+def start_shared_load(index: PrefixIndex, pool: BackendPool) -> SharedLoad | None:
+    """The shared load view when the index lives in Redis with ``share_load`` on, started; else None."""
+    if not isinstance(index, RedisIndex) or not index.config.share_load:
+        return None
+    shared = SharedLoad(index.link, pool)
+    shared.start()
+    return shared

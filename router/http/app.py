@@ -1,0 +1,224 @@
+"""The HTTP face of the router: routes, body limits, error shapes, and the app's lifecycle.
+
+The request path starts in ``completions`` below: read the body once, parse it into a
+RoutableRequest (``router.request_path.request``), and hand it to the Dispatcher
+(``router.request_path.dispatch``).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncIterator
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
+from policies.eviction import block_set_factory
+from policies.routing import build_policy
+from router.config import Config
+from router.errors import OpenAIError
+from router.fleet.backends import BackendPool
+from router.fleet.shared_load import start_shared_load
+from router.fleet.upkeep import FleetUpkeep
+from router.http.admin import admin_routes
+from router.http.auth import auth_middleware
+from router.http.config_view import config_routes
+from router.http.reload import Runtime, reload_routes
+from router.index import MemoryIndex, PrefixIndex
+from router.index.precise import PreciseIndex
+from router.index.redis_store import build_redis_index
+from router.kv_events.subscriber import start_kv_events
+from router.metrics import RouterMetrics
+from router.request_path.dispatch import Dispatcher
+from router.request_path.proxy import Proxy
+from router.request_path.request import CHAT, COMPLETIONS, TENANT, parse_request
+from router.request_path.upstream import UpstreamPool
+
+log = logging.getLogger("kvroute.app")
+
+DISPATCHER = web.AppKey("dispatcher", Dispatcher)
+CONFIG = web.AppKey("config", Config)
+POOL = web.AppKey("pool", BackendPool)
+METRICS = web.AppKey("metrics", RouterMetrics)
+INDEX = web.AppKey("index", PrefixIndex)
+#: What a config reload may change (router/http/reload.py); the request path reads it per request.
+RUNTIME = web.AppKey("runtime", Runtime)
+#: The admin API's own app when ``admin.listen`` puts it on a separate port (router/http/server.py).
+ADMIN_APP = web.AppKey("admin_app", web.Application)
+
+
+def _json(payload: object, status: int = 200) -> web.Response:
+    return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
+
+
+#: ``endpoint`` label of router-made errors, by path; any other path is ``other`` (bounded labels).
+_ENDPOINT_LABELS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
+    """Every error leaves in the OpenAI shape, including aiohttp's own 404/405/413.
+
+    Errors the router answers itself are counted in ``kvroute_requests_total`` here, with
+    empty model and backend: the model named in a bad request is client input and must not
+    become a label value. Responses from a backend are counted by the dispatcher.
+    """
+    try:
+        return await handler(request)
+    except OpenAIError as exc:
+        error = exc
+    except web.HTTPRequestEntityTooLarge as exc:
+        error = OpenAIError(413, f"Request body too large: {exc.text}", code="body_too_large")
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        error = OpenAIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
+    endpoint = _ENDPOINT_LABELS.get(request.path, "other")
+    request.app[METRICS].requests_by(endpoint, "", "", str(error.status)).inc()
+    return error.response()
+
+
+async def _read_body(request: web.Request, limit: int) -> bytes:
+    if request.content_length is not None and request.content_length > limit:
+        raise OpenAIError(
+            413,
+            f"Request body of {request.content_length} bytes exceeds the limit of {limit} bytes.",
+            code="body_too_large",
+        )
+    return await request.read()
+
+
+def _completions_handler(endpoint: str):
+    async def completions(request: web.Request) -> web.StreamResponse:
+        runtime = request.app[RUNTIME]
+        config = runtime.config
+        body = await _read_body(request, config.limits.max_body_bytes)
+        tenancy, session_header, tenant = config.tenancy, config.routing.session_header, request.get(TENANT)
+        routable = parse_request(endpoint, body, request.headers, tenancy, session_header, tenant)
+        # Per-tenant limits (router/http/ratelimit.py): refused before any backend is touched; the
+        # slot is held until the response (stream included) ends, on every path.
+        prompt_tokens = math.ceil(len(routable.prompt) / config.index.chars_per_token)
+        with runtime.limiter.admit(routable.tenant, prompt_tokens):
+            return await request.app[DISPATCHER].dispatch(request, routable)
+
+    return completions
+
+
+async def models(request: web.Request) -> web.Response:
+    data = [
+        {"id": m, "object": "model", "created": 0, "owned_by": "kvroute"} for m in request.app[POOL].models()
+    ]
+    return _json({"object": "list", "data": data})
+
+
+async def health(request: web.Request) -> web.Response:
+    return _json({"status": "ok"})
+
+
+async def ready(request: web.Request) -> web.Response:
+    if request.app[POOL].any_healthy():
+        return _json({"status": "ready"})
+    return _json({"status": "no healthy backend"}, status=503)
+
+
+async def metrics(request: web.Request) -> web.Response:
+    m, pool, index = request.app[METRICS], request.app[POOL], request.app[INDEX]
+    for backend in pool:
+        backend.show(m)
+        capacity = index.capacity_of(backend.name)
+        if capacity is not None:
+            m.index_capacity.labels(backend.name).set(capacity)
+    m.index_blocks.set(index.size())
+    body = generate_latest(m.registry)
+    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+
+def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
+    block_sets = block_set_factory(config.index.eviction, ttl_s=config.index.ttl_s)
+    index: PrefixIndex = MemoryIndex(config.index.max_blocks, block_sets)
+    if config.index.mode == "events":
+        # Precise mode: the engines' KV events are the truth (router/kv_events feeds this index).
+        events = config.index.events_config
+        index = PreciseIndex(
+            events.block_size, events.medium_weights, events.provisional_ttl_s, config.index.max_blocks
+        )
+    elif config.index.store == "redis":
+        # The memory index becomes the Redis index's local mirror: its view when Redis is not.
+        index = build_redis_index(config.index, index, metrics.registry)
+    for backend in config.backends:
+        index.add_backend(backend.name, backend.capacity_blocks or config.index.backend_capacity_blocks)
+    return index
+
+
+def build_app(config: Config, config_path: str | None = None) -> web.Application:
+    """The router as an aiohttp Application; its background work starts and stops with it.
+
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``).
+    """
+    pool = BackendPool(config.backends, config.health)
+    router_metrics = RouterMetrics()
+    runtime = Runtime(config, pool, router_metrics.registry, config_path)
+    # Client keys on /v1/, the admin key on /admin/ (router/http/auth.py), read through the runtime
+    # so that a reload switches keys for the next request.
+    guard = auth_middleware(lambda: runtime.keys, lambda: runtime.admin_key)
+    app = web.Application(middlewares=[openai_errors, guard], client_max_size=config.limits.max_body_bytes)
+    app[RUNTIME] = runtime
+    index = build_index(config, router_metrics)
+    router_metrics.watch_index(index)
+    app[CONFIG] = config
+    app[POOL] = pool
+    app[INDEX] = index
+    app[METRICS] = router_metrics
+
+    async def lifecycle(app: web.Application) -> AsyncIterator[None]:
+        timeout = aiohttp.ClientTimeout(
+            total=None, connect=config.upstream.connect_timeout_s, sock_read=config.upstream.read_timeout_s
+        )
+        # This session carries the side traffic (health checks, metric scrapes, event-source
+        # discovery); requests go through UpstreamPool (router/request_path/upstream.py), built for
+        # the hot path.
+        # limit=0: no queueing behind the pool; DummyCookieJar: never keep a backend's cookies.
+        connector = aiohttp.TCPConnector(limit=0, ttl_dns_cache=60)
+        async with aiohttp.ClientSession(
+            connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
+        ) as session:
+            policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
+            upstream = UpstreamPool(config.upstream)
+            pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
+            app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(upstream), router_metrics)
+            runtime.dispatcher = app[DISPATCHER]
+            upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
+            await upkeep.start()
+            await index.start()
+            shared_load = start_shared_load(index, pool)
+            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            try:
+                yield
+            finally:
+                if kv_events is not None:
+                    await kv_events.close()
+                await upkeep.close()
+                if shared_load is not None:
+                    await shared_load.close()
+                await index.close()
+                upstream.close()
+
+    app.cleanup_ctx.append(lifecycle)
+    app.router.add_post("/v1/chat/completions", _completions_handler(CHAT))
+    app.router.add_post("/v1/completions", _completions_handler(COMPLETIONS))
+    app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
+    app.router.add_get("/ready", ready)
+    app.router.add_get("/metrics", metrics)
+    admin = admin_routes(pool, index) + reload_routes(runtime) + config_routes(runtime)
+    if config.admin.listen is None:
+        app.router.add_routes(admin)
+    else:
+        admin_app = web.Application(middlewares=[openai_errors, guard])
+        admin_app[METRICS] = router_metrics
+        admin_app.router.add_routes(admin)
+        app[ADMIN_APP] = admin_app
+    return app

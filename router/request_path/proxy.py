@@ -1,0 +1,277 @@
+"""Forward one request to one backend and pass the response through as it arrives.
+
+The body goes upstream byte for byte; the response comes back with its status and body
+unchanged. Streams are never buffered: each chunk is written to the client as soon as the
+backend sends it, with the client's own backpressure (``write`` waits when the client is
+slow). The first chunk is read *before* the client sees anything, so a backend that fails
+before sending a byte can still be replaced by another (``UpstreamFailed``). After that,
+a failure ends the stream with an SSE error event and is never retried.
+
+Before the first byte a backend fails when it cannot be reached, when it answers 502, 503
+or 504 (a gateway or an engine that is overloaded, starting or stopping: another replica
+may well serve the request), or when the first byte does not come within the attempt's
+first-byte timeout. Every other status passes through to the client unchanged: a 4xx is
+the client's request at fault and would fail the same anywhere; a 500 may be caused by the
+request itself and is not replayed on the rest of the fleet.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import time
+from collections.abc import Awaitable, Callable, Mapping
+from typing import TypeVar
+
+from aiohttp import web
+from multidict import CIMultiDict
+
+from router.errors import OpenAIError
+from router.request_path.upstream import UpstreamError, UpstreamPool, UpstreamResponse
+from router.request_path.usage import UsageTap
+
+#: RFC 9110 §7.6.1 connection-specific headers, plus those the router sets itself.
+_NOT_FORWARDED = frozenset(
+    h.lower()
+    for h in (
+        "Connection",
+        "Keep-Alive",
+        "Proxy-Authenticate",
+        "Proxy-Authorization",
+        "TE",
+        "Trailer",
+        "Transfer-Encoding",
+        "Upgrade",
+        "Host",
+        "Content-Length",
+        # The router read the whole body before choosing a backend: a client's 100-continue
+        # expectation was met there, and the engine gets the body with the request head.
+        "Expect",
+    )
+)
+
+
+class UpstreamFailed(Exception):
+    """The backend failed before any byte reached the client: safe to try another backend."""
+
+    def __init__(self, kind: str, detail: str) -> None:
+        super().__init__(f"{kind}: {detail}")
+        self.kind = kind
+
+    @classmethod
+    def from_exc(cls, exc: BaseException) -> UpstreamFailed:
+        return cls(failure_kind(exc), str(exc) or type(exc).__name__)
+
+
+class StreamInterrupted(Exception):
+    """The stream broke after the client got bytes: it was ended with an error event, not retried."""
+
+    def __init__(self, kind: str, response: web.StreamResponse) -> None:
+        super().__init__(kind)
+        self.kind = kind
+        self.response = response
+
+
+class ClientGone(Exception):
+    """The client disconnected mid-stream; the upstream request is abandoned with it."""
+
+    def __init__(self, response: web.StreamResponse) -> None:
+        super().__init__("client disconnected")
+        self.response = response
+
+
+def failure_kind(exc: BaseException) -> str:
+    """A small fixed vocabulary for the ``kind`` metric label (router/request_path/upstream.py
+    names the kinds)."""
+    if isinstance(exc, UpstreamError):
+        return exc.kind
+    if isinstance(exc, asyncio.TimeoutError):
+        return "timeout"
+    return "other"
+
+
+#: Statuses that mean "this replica cannot serve now", not "this request is wrong".
+RETRYABLE_STATUSES = frozenset({502, 503, 504})
+
+
+def _copy_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
+    # Headers the Connection header names are hop-by-hop as well (RFC 9110 §7.6.1).
+    connection = headers.get("Connection")
+    dropped = _NOT_FORWARDED
+    if connection:
+        dropped = dropped | {token.strip().lower() for token in connection.split(",")}
+    return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in dropped])
+
+
+_T = TypeVar("_T")
+
+if sys.version_info >= (3, 11):
+
+    async def _bounded(awaitable: Awaitable[_T], timeout: float | None) -> _T:
+        """``awaitable`` within ``timeout`` s, in the caller's task: ``wait_for`` would start a new
+        task for every request (3.10 and 3.11), which the profile of the hot path showed."""
+        async with asyncio.timeout(timeout):
+            return await awaitable
+
+else:
+    _bounded = asyncio.wait_for
+
+
+class Proxy:
+    def __init__(self, upstream: UpstreamPool) -> None:
+        self.upstream = upstream
+
+    async def forward(
+        self,
+        request: web.Request,
+        backend_url: str,
+        body: bytes,
+        extra_headers: Mapping[str, str],
+        on_accepted: Callable[[], None],
+        on_first_byte: Callable[[float], None],
+        *,
+        first_byte_timeout: float | None = None,
+        tap: UsageTap | None = None,
+        rewrite_headers: Callable[[CIMultiDict[str]], None] | None = None,
+    ) -> web.StreamResponse:
+        """Send ``body`` to ``backend_url`` (at the request's own path and query) and answer
+        ``request`` with what comes back.
+
+        ``on_accepted`` runs once the backend answered with a success status (it has the
+        prompt); ``on_first_byte`` gets the time the first byte of a stream arrived.
+        ``first_byte_timeout`` bounds the wait from sending to the first body byte. ``tap``
+        sees the response go by for the engine's usage report (router/request_path/usage.py).
+        ``rewrite_headers`` adjusts the headers sent upstream (credentials, router/http/auth.py).
+        """
+        try:
+            opening = self._open(request, backend_url, body, rewrite_headers)
+            upstream, first = await _bounded(opening, first_byte_timeout)
+        except UpstreamError as exc:
+            raise UpstreamFailed.from_exc(exc) from exc
+        except asyncio.TimeoutError as exc:
+            detail = f"no first byte in {first_byte_timeout:.3g} s"
+            raise UpstreamFailed("first_byte_timeout", detail) from exc
+        finished = False
+        try:
+            if upstream.status < 400:
+                on_accepted()
+            headers = _copy_headers(upstream.headers)
+            headers.update(extra_headers)
+            if upstream.content_type == "text/event-stream":
+                on_first_byte(time.perf_counter())
+                response = await self._stream(request, upstream, first, headers, tap)
+            else:
+                response = await self._buffered(request, upstream, first, headers, tap)
+            finished = True
+            return response
+        finally:
+            # A response not read to its end must not go back to the pool: closing the
+            # connection is also what tells the engine to stop working on it.
+            if finished:
+                upstream.release()
+            else:
+                upstream.close()
+
+    async def _open(
+        self,
+        request: web.Request,
+        backend_url: str,
+        body: bytes,
+        rewrite_headers: Callable[[CIMultiDict[str]], None] | None,
+    ) -> tuple[UpstreamResponse, bytes]:
+        """Send the request and read the first chunk; a retryable status fails the attempt."""
+        outgoing = _copy_headers(request.headers)
+        if rewrite_headers is not None:
+            rewrite_headers(outgoing)
+        upstream = await self.upstream.post(backend_url, request.raw_path, outgoing.items(), body)
+        try:
+            if upstream.status in RETRYABLE_STATUSES:
+                detail = f"answered {upstream.status} {upstream.reason}"
+                raise UpstreamFailed(f"http_{upstream.status}", detail)
+            first = await upstream.readany()
+        except BaseException:
+            upstream.close()
+            raise
+        return upstream, first
+
+    @staticmethod
+    async def _buffered(
+        request: web.Request,
+        upstream: UpstreamResponse,
+        first: bytes,
+        headers: CIMultiDict[str],
+        tap: UsageTap | None,
+    ) -> web.Response:
+        try:
+            data = first + await upstream.read()
+        except (UpstreamError, asyncio.TimeoutError) as exc:
+            raise UpstreamFailed.from_exc(exc) from exc
+        if tap is not None:
+            tap.body(data)
+        response = web.Response(status=upstream.status, body=data, headers=headers)
+        # Sent here rather than by aiohttp after the handler returns: the dispatcher's
+        # bookkeeping (metrics, circuit, counters) then runs after the client has its answer.
+        try:
+            await response.prepare(request)
+            await response.write_eof()
+        except ConnectionResetError as exc:
+            raise ClientGone(response) from exc
+        return response
+
+    async def _stream(
+        self,
+        request: web.Request,
+        upstream: UpstreamResponse,
+        first: bytes,
+        headers: CIMultiDict[str],
+        tap: UsageTap | None,
+    ) -> web.StreamResponse:
+        response = web.StreamResponse(status=upstream.status, headers=headers)
+        await response.prepare(request)
+        chunk = first
+        while chunk:
+            try:
+                await response.write(tap.chunk(chunk) if tap is not None else chunk)
+            except ConnectionResetError as exc:
+                # The client went away; leaving closes the upstream connection (see forward).
+                raise ClientGone(response) from exc
+            try:
+                chunk = await upstream.readany()
+            except (UpstreamError, asyncio.TimeoutError) as exc:
+                await self._end_with_error(response, failure_kind(exc))
+                raise StreamInterrupted(failure_kind(exc), response) from exc
+        await response.write_eof()
+        return response
+
+    @staticmethod
+    async def _end_with_error(response: web.StreamResponse, kind: str) -> None:
+        error = OpenAIError(
+            502,
+            f"The backend failed mid-stream ({kind}); the response is incomplete.",
+            code="upstream_stream_error",
+        )
+        try:
+            await response.write(error.sse_event())
+            await response.write_eof()
+        except ConnectionResetError:
+            pass
+
+
+def upstream_headers(
+    backend_key: str | None, client_authenticated: bool
+) -> Callable[[CIMultiDict[str]], None] | None:
+    """How the request's headers change on the way to an engine (None: unchanged).
+
+    The engine's own key replaces the client's; with client keys on, the client's key is the
+    router's credential and is dropped. Without either, the client's Authorization goes
+    through, for engines that check their callers themselves.
+    """
+    if backend_key is None and not client_authenticated:
+        return None
+
+    def rewrite(headers: CIMultiDict[str]) -> None:
+        headers.popall("Authorization", None)
+        if backend_key is not None:
+            headers["Authorization"] = f"Bearer {backend_key}"
+
+    return rewrite

@@ -1,0 +1,91 @@
+"""Reading an engine's usage report out of a response, for closed-loop beliefs
+(router/request_path/beliefs.py).
+
+A non-streamed response carries ``usage`` in its body. A stream carries it in a last chunk
+(``"choices": []``) only when the request set ``stream_options.include_usage``; when the
+client did not, the router sets it on the forwarded body and removes that chunk from the
+stream again, so the client receives exactly the stream it asked for.
+
+Removal works on whole SSE events inside one read: engines write the usage event in one
+piece, so it arrives whole in practice. Should it ever be split across reads, it is passed
+through as sent: a usage chunk is a valid chunk for any OpenAI client, while holding back
+bytes of a stream would delay it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import orjson
+
+_USAGE_KEY = b'"usage"'
+_EVENT_END = b"\n\n"
+
+
+def cached_tokens(usage: Any) -> int | None:
+    """``usage.prompt_tokens_details.cached_tokens``, or None when the engine did not report it."""
+    if not isinstance(usage, dict):
+        return None
+    details = usage.get("prompt_tokens_details")
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
+
+
+def request_usage(body: bytes) -> bytes | None:
+    """The streamed request ``body`` with ``stream_options.include_usage`` set, or None when the
+    client already asked for usage or the options are malformed (then the body is left alone)."""
+    parsed = orjson.loads(body)
+    options = parsed.get("stream_options")
+    if options is None:
+        options = {}
+    if not isinstance(options, dict) or options.get("include_usage"):
+        return None
+    parsed["stream_options"] = {**options, "include_usage": True}
+    return orjson.dumps(parsed)
+
+
+class UsageTap:
+    """Sees a response go by and keeps its usage; ``strip`` removes a stream's usage event."""
+
+    def __init__(self, strip: bool) -> None:
+        self.strip = strip
+        self.usage: Any = None
+        #: The unfinished SSE event at the end of what was seen so far.
+        self._partial = b""
+
+    def body(self, data: bytes) -> None:
+        """A whole non-streamed response body."""
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return
+        if isinstance(parsed, dict):
+            self.usage = parsed.get("usage")
+
+    def chunk(self, chunk: bytes) -> bytes:
+        """One read of a stream; returns what to send on to the client."""
+        data = self._partial + chunk
+        end = data.rfind(_EVENT_END)
+        if end < 0:
+            self._partial = data
+            return chunk
+        self._partial = data[end + 2 :]
+        complete = data[: end + 2]
+        if _USAGE_KEY not in complete:
+            return chunk
+        for event in complete.split(_EVENT_END):
+            if _USAGE_KEY in event and event.startswith(b"data: {"):
+                chunk = self._usage_event(event, chunk)
+        return chunk
+
+    def _usage_event(self, event: bytes, chunk: bytes) -> bytes:
+        try:
+            parsed = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return chunk
+        if not isinstance(parsed, dict) or not parsed.get("usage"):
+            return chunk
+        self.usage = parsed["usage"]
+        if self.strip and not parsed.get("choices"):
+            return chunk.replace(event + _EVENT_END, b"", 1)
+        return chunk
