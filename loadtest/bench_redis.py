@@ -50,7 +50,7 @@ from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import TraceRequest, prompt_messages, read_trace
 from router.config import config_from_dict
-from router.http.app import build_index
+from router.index.build import build_index
 from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
 

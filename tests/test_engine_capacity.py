@@ -22,8 +22,8 @@ from router.fleet.backends import Backend, BackendPool
 from router.fleet.capacity import CapacitySizer
 from router.fleet.engines import EngineStats
 from router.fleet.scraper import LoadScraper
-from router.http.app import build_index
 from router.index import MemoryIndex
+from router.index.build import build_index
 from router.index.precise import PreciseIndex
 from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics

@@ -13,8 +13,8 @@ import pytest
 
 from policies.eviction import block_set_factory
 from router.config import config_from_dict
-from router.http.app import build_index
 from router.index import MemoryIndex
+from router.index.build import build_index
 from router.index.redis_store import WARM_CONNECTIONS, RedisIndex
 from router.metrics import RouterMetrics
 from tests.conftest import eventually

@@ -16,7 +16,6 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from policies.eviction import block_set_factory
 from policies.routing import build_policy
 from router.config import Config
 from router.errors import OpenAIError
@@ -27,9 +26,8 @@ from router.http.admin import admin_routes
 from router.http.auth import auth_middleware
 from router.http.config_view import config_routes
 from router.http.reload import Runtime, reload_routes
-from router.index import MemoryIndex, PrefixIndex
-from router.index.precise import PreciseIndex
-from router.index.redis_store import build_redis_index
+from router.index import PrefixIndex
+from router.index.build import build_index
 from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.request_path.dispatch import Dispatcher
@@ -134,23 +132,6 @@ async def metrics(request: web.Request) -> web.Response:
     m.index_blocks.set(index.size())
     body = generate_latest(m.registry)
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
-
-
-def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
-    block_sets = block_set_factory(config.index.eviction, ttl_s=config.index.ttl_s)
-    index: PrefixIndex = MemoryIndex(config.index.max_blocks, block_sets)
-    if config.index.mode == "events":
-        # Precise mode: the engines' KV events are the truth (router/kv_events feeds this index).
-        events = config.index.events_config
-        index = PreciseIndex(
-            events.block_size, events.medium_weights, events.provisional_ttl_s, config.index.max_blocks
-        )
-    elif config.index.store == "redis":
-        # The memory index becomes the Redis index's local mirror: its view when Redis is not.
-        index = build_redis_index(config.index, index, metrics.registry)
-    for backend in config.backends:
-        index.add_backend(backend.name, backend.capacity_blocks or config.index.backend_capacity_blocks)
-    return index
 
 
 def build_app(config: Config, config_path: str | None = None) -> web.Application:
