@@ -20,7 +20,8 @@ the whole one-hour Mooncake conversation trace replays in seconds.
 
 The router sees what the live one sees of its own: its in-flight count and pending prefill
 per backend and the prefix index's matches (no scraped engine metrics). It records a
-request's chain when it sends it.
+request's chain when it sends it. A policy that learns online hears each request's outcome
+at its end (``RoutingPolicy.on_outcome``), as it would live.
 
 Where virtual time and the live fleet differ: the live router and the engines share CPUs
 (their event loops add latency under load, which virtual time does not have); the model's
@@ -55,6 +56,7 @@ from policies.eviction import block_set_factory
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, RequestView
+from policies.types import Outcome as AttemptOutcome
 from router.index import MemoryIndex
 from router.request_path.beliefs import ClosedLoop, Prediction
 
@@ -101,6 +103,8 @@ class _Job:
     output_tokens: int
     chain: list[int]
     backend: str
+    #: The request as the policy saw it, for its outcome (``RoutingPolicy.on_outcome``).
+    view: RequestView
     kv_blocks: int
     predicted_blocks: int
     #: The router's estimate of this request's prefill: its prompt beyond the predicted match.
@@ -305,6 +309,7 @@ class Simulation:
             output_tokens=request.output_tokens,
             chain=chain,
             backend=decision.backend,
+            view=view,
             kv_blocks=kv_blocks,
             predicted_blocks=decision.matched_blocks,
             pending_tokens=max(0, request.input_tokens - decision.matched_blocks * model.block_tokens),
@@ -316,6 +321,7 @@ class Simulation:
             self.outcomes[i] = Outcome(
                 decision.backend, decision.reason, request.input_tokens, 0, 0, None, None, None
             )
+            self._tell(job, status=400, ttft_s=None, cached_tokens=None)
             return
         if uses_index and chain:
             if self.closed_loop is not None:
@@ -333,9 +339,12 @@ class Simulation:
 
     def finished(self, job: _Job, now: float) -> None:
         self.in_flight[job.backend] -= 1
+        reported = None
         if self.closed_loop is not None and job.prediction is not None:
             # A stream's usage chunk comes at its end, so that is when the live router learns.
             self.closed_loop.report(job.prediction, job.cached_tokens)
+            reported = job.cached_tokens
+        self._tell(job, status=200, ttft_s=job.first_token - job.arrival, cached_tokens=reported)
         self.outcomes[job.index] = Outcome(
             backend=job.backend,
             reason=self._reasons.pop(job.index),
@@ -346,6 +355,21 @@ class Simulation:
             ttft_s=job.first_token - job.arrival,
             e2e_s=now - job.arrival,
         )
+
+    def _tell(self, job: _Job, *, status: int, ttft_s: float | None, cached_tokens: int | None) -> None:
+        """The policy's outcome for ``job``, as the live router would tell it: at the response's
+        end, with the engine's cached tokens only where the live router reads them (closed loop)."""
+        if self.policy.learns:
+            self.policy.on_outcome(
+                AttemptOutcome(
+                    backend=job.backend,
+                    request=job.view,
+                    matched_tokens=job.predicted_blocks * self.model.block_tokens,
+                    cached_tokens=cached_tokens,
+                    ttft_s=ttft_s,
+                    status=status,
+                )
+            )
 
 
 @dataclass(frozen=True)

@@ -72,3 +72,37 @@ class Decision:
     backend: str
     reason: str
     matched_blocks: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """How one attempt of a routed request ended, shown to the policy that chose its backend
+    (``RoutingPolicy.on_outcome``) once per attempt: a request retried on another backend gives
+    each backend it tried an outcome of its own."""
+
+    backend: str
+    request: RequestView
+    #: Prompt tokens the index believed cached on ``backend`` at the pick (the decision's
+    #: matched blocks in tokens: the ``x-kvroute-matched-tokens`` header).
+    matched_tokens: int
+    #: Prompt tokens the engine reported it found cached (``usage.prompt_tokens_details
+    #: .cached_tokens``). None unless the router reads engines' reports, which it does with
+    #: ``index.closed_loop: true`` for requests whose prompt it looked up, and only when the
+    #: response carried them.
+    cached_tokens: int | None
+    #: Seconds from the request's arrival at the router to the stream's first byte (None: not
+    #: a stream, whose first byte is its last, or no byte came).
+    ttft_s: float | None
+    #: The engine's HTTP status as passed to the client (None: the client got none from it).
+    status: int | None
+    #: Why the attempt failed, or None when the engine's answer reached the client whole.
+    #: ``client_gone`` (the client left: not the backend's doing), ``stream_error`` (the stream
+    #: broke after the client got bytes), or how the backend failed before the client got any,
+    #: after which the request was retried elsewhere when allowed: ``connect``, ``disconnect``,
+    #: ``timeout``, ``first_byte_timeout``, ``protocol``, ``http_502``/``503``/``504``, ``other``.
+    error: str | None = None
+
+    @property
+    def success(self) -> bool:
+        """The engine served the request: its answer (below 500) reached the client whole."""
+        return self.error is None and self.status is not None and self.status < 500

@@ -192,6 +192,7 @@ class RouterMetrics:
         self,
         name: str,
         *,
+        in_flight: int,
         healthy: bool,
         circuit_state: int,
         draining: bool,
@@ -199,7 +200,11 @@ class RouterMetrics:
         running: float | None,
         kv_usage: float | None,
     ) -> None:
-        """Set a backend's state gauges (at scrape time); engine numbers given as None have no sample."""
+        """Set a backend's state gauges (at scrape time); engine numbers given as None have no sample.
+
+        In-flight requests too: the backend counts them (router/request_path/attempt.py), and
+        reading that count here spares every request two gauge updates."""
+        self.in_flight.labels(name).set(in_flight)
         self.healthy.labels(name).set(1 if healthy else 0)
         self.circuit_state.labels(name).set(circuit_state)
         self.draining.labels(name).set(1 if draining else 0)

@@ -2,7 +2,8 @@
 
 A policy is constructed once from its YAML parameters and then asked, per request, to
 choose among the healthy backends that serve the request's model. ``choose`` is called
-with at least one candidate and must return one of them; it does no I/O.
+with at least one candidate and must return one of them; it does no I/O. A policy that
+learns online overrides ``on_outcome``: it hears how each attempt it chose ended.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any, ClassVar, TypeVar
 
 from policies.params import parse_params
-from policies.types import BackendView, Decision, RequestView
+from policies.types import BackendView, Decision, Outcome, RequestView
 
 T = TypeVar("T")
 
@@ -33,6 +34,13 @@ class RoutingPolicy(ABC):
     Params: ClassVar[type] = NoParams
     #: Whether the router must look the prompt's chain up in the prefix index for this policy.
     uses_prefix_match: ClassVar[bool] = False
+    #: Whether the policy overrides ``on_outcome`` (set when a subclass is defined): the router
+    #: and the simulator build outcomes only for a policy that hears them.
+    learns: ClassVar[bool] = False
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        cls.learns = cls.on_outcome is not RoutingPolicy.on_outcome
 
     def __init__(self, params: Mapping[str, Any] | None = None, *, seed: int | None = None) -> None:
         self.params = parse_params(self.Params, params, where="routing.params")
@@ -42,6 +50,15 @@ class RoutingPolicy(ABC):
     @abstractmethod
     def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
         """Pick one of ``backends`` (never empty) for ``request``."""
+
+    def on_outcome(self, outcome: Outcome) -> None:  # noqa: B027 -- optional hook, off by default
+        """How one attempt this policy chose ended: called once per attempt, on every path
+        (served, failed and retried, stream broken, client gone), after its response ended.
+
+        The default does nothing, and the router then builds no Outcome at all. Like
+        ``choose``, it runs on the request path and does no I/O; an exception it raises is
+        logged and the request is not affected.
+        """
 
     def pick_min(self, backends: Sequence[BackendView], key: Callable[[BackendView], Any]) -> BackendView:
         """The backend with the smallest ``key``; ties broken at random, never by position.

@@ -32,7 +32,7 @@ class Backend:
         #: Requests the other router replicas have there, as last read from the shared load view.
         self.remote_in_flight = 0
         #: Uncached prompt tokens of this router's requests there without a first byte
-        #: (router/request_path/prefill.py).
+        #: (router/request_path/attempt.py).
         self.pending_prefill_tokens = 0
         #: Passive ejection from what real requests get (router/fleet/circuit.py).
         self.circuit = CircuitBreaker(health.eject_after, health.eject_s, health.max_eject_s)
@@ -87,6 +87,7 @@ class Backend:
         engine = self.fresh_engine_stats()
         metrics.show_backend(
             self.name,
+            in_flight=self.in_flight,
             healthy=self.healthy,
             circuit_state=int(self.circuit.state),
             draining=self.draining or self.terminating,

@@ -5,7 +5,7 @@ re-exported here: it imports the config, and the config imports this package's c
 (``router.kv_events.settings``), so importing it here would make any index import a circle.
 """
 
-from router.index.base import PrefixIndex
+from router.index.base import Candidate, PrefixIndex
 from router.index.memory import MemoryIndex
 
-__all__ = ["MemoryIndex", "PrefixIndex"]
+__all__ = ["Candidate", "MemoryIndex", "PrefixIndex"]

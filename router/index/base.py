@@ -1,10 +1,34 @@
-"""The prefix index interface, shared by the in-memory and the Redis implementations."""
+"""The prefix index interface, shared by the in-memory, Redis and precise (KV events) indexes.
+
+Besides lookups, an index follows each request attempt through one belief lifecycle, driven
+by the attempt (router/request_path/attempt.py) for a prompt with a block chain:
+
+    picked -> accepted -> first_byte -> finished        (the engine served it)
+    picked -> failed -> finished                        (it failed before taking the prompt)
+
+``picked``: a policy chose ``backend`` for ``chain``; ``accepted``: the engine answered with a
+success status, so it has the prompt; ``first_byte``: a stream's first byte came back (the
+prefill is done); ``failed``: the attempt failed before the engine took the prompt (the request
+may go elsewhere); ``finished``: the attempt ended, on any path. Every hook does nothing by
+default; each index implements the ones its beliefs need, so a new index plugs in without a
+branch on the request path.
+"""
 
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Protocol
+
+
+class Candidate(Protocol):
+    """What a lookup knows of a candidate backend (a router/fleet Backend is one)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def pending_prefill_tokens(self) -> int: ...
 
 
 class PrefixIndex(ABC):
@@ -49,6 +73,26 @@ class PrefixIndex(ABC):
         One call per request and one round trip for a remote index; the cost grows with the
         chain's length, never with how much the index holds.
         """
+
+    async def match_for(self, chain: Sequence[int], candidates: Sequence[Candidate]) -> dict[str, int]:
+        """:meth:`match` for the request path, which knows more of each candidate than its name
+        (the prefill queued there ahead of the request, which precise mode's eviction ahead reads)."""
+        return await self.match(chain, [c.name for c in candidates])
+
+    def picked(self, backend: str, chain: Sequence[int]) -> None:  # noqa: B027 -- lifecycle hook
+        """A policy chose ``backend`` for ``chain``; the request is about to be sent."""
+
+    def accepted(self, backend: str, chain: Sequence[int]) -> None:  # noqa: B027 -- lifecycle hook
+        """``backend``'s engine answered with a success status: it has taken the prompt."""
+
+    def first_byte(self, backend: str, chain: Sequence[int]) -> None:  # noqa: B027 -- lifecycle hook
+        """A stream's first byte came back from ``backend``: its engine has prefilled the prompt."""
+
+    def failed(self, backend: str, chain: Sequence[int]) -> None:  # noqa: B027 -- lifecycle hook
+        """The attempt on ``backend`` failed before its engine took the prompt."""
+
+    def finished(self, backend: str, chain: Sequence[int]) -> None:  # noqa: B027 -- lifecycle hook
+        """The attempt on ``backend`` ended, on any path (after the hooks above that applied)."""
 
     @abstractmethod
     def record(self, backend: str, chain: Sequence[int]) -> None:

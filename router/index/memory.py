@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 from policies.eviction import BlockSet, LRUBlocks
-from router.index.base import PrefixIndex
+from router.index.base import Candidate, PrefixIndex
 
 
 class MemoryIndex(PrefixIndex):
@@ -60,6 +60,10 @@ class MemoryIndex(PrefixIndex):
         depth = self.match_now(chain)
         return {name: depth.get(name, 0) for name in backends}
 
+    async def match_for(self, chain: Sequence[int], candidates: Sequence[Candidate]) -> dict[str, int]:
+        depth = self.match_now(chain)
+        return {c.name: depth.get(c.name, 0) for c in candidates}
+
     def match_now(self, chain: Sequence[int]) -> dict[str, int]:
         """Synchronous match over every backend (the offline simulator calls this directly)."""
         self._expire()
@@ -99,6 +103,9 @@ class MemoryIndex(PrefixIndex):
                 break
             self._forget(largest, block)
             self.evictions += 1
+
+    #: The engine took the prompt (see the belief lifecycle in router/index/base.py): believe it.
+    accepted = record
 
     def _expire(self) -> None:
         """Drop beliefs that time alone made stale (time-based eviction) before answering a match."""

@@ -45,7 +45,7 @@ from functools import lru_cache
 
 import xxhash
 
-from router.index.base import PrefixIndex
+from router.index.base import Candidate, PrefixIndex
 from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from router.index.keys import ROOT_KEY, block_keys, namespace_seed
 
@@ -177,6 +177,13 @@ class PreciseIndex(PrefixIndex):
     async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         return self.match_now(chain, backends)
 
+    async def match_for(self, chain: Sequence[int], candidates: Sequence[Candidate]) -> dict[str, int]:
+        """What each candidate will still hold of ``chain`` once the prefills this router queued
+        there ahead of the request have stored their blocks (:meth:`match_surviving`)."""
+        block = self.block_size
+        ahead = {c.name: -(-c.pending_prefill_tokens // block) for c in candidates}
+        return self.match_surviving(chain, ahead)
+
     def match_now(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         """Leading blocks of ``chain`` held by each backend, each worth its best tier's weight."""
         return self.match_surviving(chain, {name: None for name in backends})
@@ -237,6 +244,23 @@ class PreciseIndex(PrefixIndex):
                 self._provisional_count += 1
             provisional[key] = expiry
             self._expiries.append((expiry, backend, key))
+
+    # -- the belief lifecycle of an attempt (router/index/base.py) ---------------------------
+
+    def picked(self, backend: str, chain: Sequence[int]) -> None:
+        """Believed at once, provisionally (until the engine's events say), so that a burst of
+        requests sharing a prefix follows the first one."""
+        self.record(backend, chain)
+
+    def accepted(self, backend: str, chain: Sequence[int]) -> None:
+        """The engine took the prompt: the provisional belief is renewed, and the blocks it
+        already held were just used."""
+        self.record(backend, chain)
+        self.used(backend, chain)
+
+    def failed(self, backend: str, chain: Sequence[int]) -> None:
+        """The pick fell through before the engine took the prompt: no request may follow it there."""
+        self.withdraw(backend, chain)
 
     def used(self, backend: str, chain: Sequence[int]) -> None:
         """``backend``'s engine has just run a request for ``chain`` (its first byte came back): the

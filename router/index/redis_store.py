@@ -153,6 +153,10 @@ class RedisIndex(PrefixIndex):
         self._pending.append((backend, chain))
         self._notify()
 
+    #: The engine took the prompt (see the belief lifecycle in router/index/base.py): believe it,
+    #: here and, through the write queue, in Redis.
+    accepted = record
+
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()

@@ -134,8 +134,10 @@ class BeliefCheck:
         self.body = asked if asked is not None else body
         self.tap = UsageTap(strip=asked is not None)
 
-    def settle(self) -> None:
-        """After the response: compare what the engine reported (if it did) with the prediction."""
+    def settle(self) -> int | None:
+        """After the response: compare what the engine reported (if it did) with the prediction;
+        returns the reported cached tokens (None: no report)."""
         cached = cached_tokens(self.tap.usage)
         if cached is not None:
             self._loop.report(self.prediction, cached)
+        return cached

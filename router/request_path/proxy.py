@@ -13,6 +13,9 @@ may well serve the request), or when the first byte does not come within the att
 first-byte timeout. Every other status passes through to the client unchanged: a 4xx is
 the client's request at fault and would fail the same anywhere; a 500 may be caused by the
 request itself and is not replayed on the rest of the fleet.
+
+The proxy keeps no books: it reports each step to the request's attempt
+(router/request_path/attempt.py), which holds the counters, the circuit and the beliefs.
 """
 
 from __future__ import annotations
@@ -20,13 +23,14 @@ from __future__ import annotations
 import asyncio
 import sys
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import TypeVar
+from collections.abc import Awaitable, Mapping
+from typing import Protocol, TypeVar
 
 from aiohttp import web
 from multidict import CIMultiDict
 
 from router.errors import OpenAIError
+from router.request_path.request import TENANT
 from router.request_path.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.request_path.usage import UsageTap
 
@@ -64,7 +68,8 @@ class UpstreamFailed(Exception):
 
 
 class StreamInterrupted(Exception):
-    """The stream broke after the client got bytes: it was ended with an error event, not retried."""
+    """The stream broke after the client got bytes: it was ended with an error event, not retried
+    (the proxy reports it to the attempt, and answers the client with what it sent)."""
 
     def __init__(self, kind: str, response: web.StreamResponse) -> None:
         super().__init__(kind)
@@ -73,7 +78,8 @@ class StreamInterrupted(Exception):
 
 
 class ClientGone(Exception):
-    """The client disconnected mid-stream; the upstream request is abandoned with it."""
+    """The client disconnected mid-response; the upstream request is abandoned with it (the
+    proxy reports it to the attempt)."""
 
     def __init__(self, response: web.StreamResponse) -> None:
         super().__init__("client disconnected")
@@ -117,73 +123,80 @@ else:
     _bounded = asyncio.wait_for
 
 
+class Forwarding(Protocol):
+    """What the proxy needs of one attempt (router/request_path/attempt.py), and what it reports
+    to it: ``answered``, ``first_byte``, then one of ``finished``, ``interrupted``, ``client_gone``.
+    A failure before the client got a byte is raised as UpstreamFailed instead."""
+
+    url: str
+    #: The engine's own API key (``backends[].upstream_api_key``), or None.
+    upstream_key: str | None
+    body: bytes
+    #: Headers added to the response (``x-kvroute-*``).
+    headers: Mapping[str, str]
+    #: Bounds the wait from sending to the first body byte.
+    first_byte_timeout: float | None
+    #: Sees the response go by, for the engine's usage report (router/request_path/usage.py).
+    tap: UsageTap | None
+
+    def answered(self, status: int) -> None: ...
+
+    def first_byte(self, at: float) -> None: ...
+
+    def finished(self, status: int) -> None: ...
+
+    def interrupted(self, kind: str) -> None: ...
+
+    def client_gone(self) -> None: ...
+
+
 class Proxy:
     def __init__(self, upstream: UpstreamPool) -> None:
         self.upstream = upstream
 
-    async def forward(
-        self,
-        request: web.Request,
-        backend_url: str,
-        body: bytes,
-        extra_headers: Mapping[str, str],
-        on_accepted: Callable[[], None],
-        on_first_byte: Callable[[float], None],
-        *,
-        first_byte_timeout: float | None = None,
-        tap: UsageTap | None = None,
-        rewrite_headers: Callable[[CIMultiDict[str]], None] | None = None,
-    ) -> web.StreamResponse:
-        """Send ``body`` to ``backend_url`` (at the request's own path and query) and answer
-        ``request`` with what comes back.
-
-        ``on_accepted`` runs once the backend answered with a success status (it has the
-        prompt); ``on_first_byte`` gets the time the first byte of a stream arrived.
-        ``first_byte_timeout`` bounds the wait from sending to the first body byte. ``tap``
-        sees the response go by for the engine's usage report (router/request_path/usage.py).
-        ``rewrite_headers`` adjusts the headers sent upstream (credentials, router/http/auth.py).
-        """
+    async def forward(self, request: web.Request, attempt: Forwarding) -> web.StreamResponse:
+        """Send ``attempt.body`` to ``attempt.url`` (at the request's own path and query) and answer
+        ``request`` with what comes back, reporting each step to ``attempt``."""
+        timeout = attempt.first_byte_timeout
         try:
-            opening = self._open(request, backend_url, body, rewrite_headers)
-            upstream, first = await _bounded(opening, first_byte_timeout)
+            upstream, first = await _bounded(self._open(request, attempt), timeout)
         except UpstreamError as exc:
             raise UpstreamFailed.from_exc(exc) from exc
         except asyncio.TimeoutError as exc:
-            detail = f"no first byte in {first_byte_timeout:.3g} s"
-            raise UpstreamFailed("first_byte_timeout", detail) from exc
-        finished = False
+            raise UpstreamFailed("first_byte_timeout", f"no first byte in {timeout:.3g} s") from exc
+        read_to_end = False
         try:
-            if upstream.status < 400:
-                on_accepted()
+            attempt.answered(upstream.status)
             headers = _copy_headers(upstream.headers)
-            headers.update(extra_headers)
+            headers.update(attempt.headers)
             if upstream.content_type == "text/event-stream":
-                on_first_byte(time.perf_counter())
-                response = await self._stream(request, upstream, first, headers, tap)
+                attempt.first_byte(time.perf_counter())
+                response = await self._stream(request, upstream, first, headers, attempt.tap)
             else:
-                response = await self._buffered(request, upstream, first, headers, tap)
-            finished = True
+                response = await self._buffered(request, upstream, first, headers, attempt.tap)
+            read_to_end = True
+            attempt.finished(upstream.status)
             return response
+        except StreamInterrupted as exc:
+            attempt.interrupted(exc.kind)
+            return exc.response
+        except ClientGone as exc:
+            attempt.client_gone()
+            return exc.response
         finally:
             # A response not read to its end must not go back to the pool: closing the
             # connection is also what tells the engine to stop working on it.
-            if finished:
+            if read_to_end:
                 upstream.release()
             else:
                 upstream.close()
 
-    async def _open(
-        self,
-        request: web.Request,
-        backend_url: str,
-        body: bytes,
-        rewrite_headers: Callable[[CIMultiDict[str]], None] | None,
-    ) -> tuple[UpstreamResponse, bytes]:
+    async def _open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk; a retryable status fails the attempt."""
         outgoing = _copy_headers(request.headers)
-        if rewrite_headers is not None:
-            rewrite_headers(outgoing)
-        upstream = await self.upstream.post(backend_url, request.raw_path, outgoing.items(), body)
+        if attempt.upstream_key is not None or TENANT in request:
+            upstream_credentials(outgoing, attempt.upstream_key)
+        upstream = await self.upstream.post(attempt.url, request.raw_path, outgoing.items(), attempt.body)
         try:
             if upstream.status in RETRYABLE_STATUSES:
                 detail = f"answered {upstream.status} {upstream.reason}"
@@ -209,8 +222,8 @@ class Proxy:
         if tap is not None:
             tap.body(data)
         response = web.Response(status=upstream.status, body=data, headers=headers)
-        # Sent here rather than by aiohttp after the handler returns: the dispatcher's
-        # bookkeeping (metrics, circuit, counters) then runs after the client has its answer.
+        # Sent here rather than by aiohttp after the handler returns: the attempt's bookkeeping
+        # (metrics, circuit, counters) then runs after the client has its answer.
         try:
             await response.prepare(request)
             await response.write_eof()
@@ -257,21 +270,13 @@ class Proxy:
             pass
 
 
-def upstream_headers(
-    backend_key: str | None, client_authenticated: bool
-) -> Callable[[CIMultiDict[str]], None] | None:
-    """How the request's headers change on the way to an engine (None: unchanged).
+def upstream_credentials(headers: CIMultiDict[str], backend_key: str | None) -> None:
+    """The credentials an engine gets, for a request with an engine key or a client key.
 
     The engine's own key replaces the client's; with client keys on, the client's key is the
     router's credential and is dropped. Without either, the client's Authorization goes
-    through, for engines that check their callers themselves.
+    through unchanged (this is not called), for engines that check their callers themselves.
     """
-    if backend_key is None and not client_authenticated:
-        return None
-
-    def rewrite(headers: CIMultiDict[str]) -> None:
-        headers.popall("Authorization", None)
-        if backend_key is not None:
-            headers["Authorization"] = f"Bearer {backend_key}"
-
-    return rewrite
+    headers.popall("Authorization", None)
+    if backend_key is not None:
+        headers["Authorization"] = f"Bearer {backend_key}"

@@ -1,0 +1,253 @@
+"""One attempt: one try of one request on one backend, and every ledger it holds meanwhile.
+
+An attempt takes its ledgers when it is created and gives each back exactly once when it
+ends, on every path (served, failed before the first byte and retried, stream broken, client
+gone, task cancelled, an unexpected exception), because its ``with`` block ends on all of them:
+
+* the backend's **in-flight count** (what policies read as load, and /metrics shows);
+* the circuit breaker's **half-open trial**, if this attempt is it, and one verdict: a 5xx, a
+  connection error or a timeout is the backend's failure, any other answer (4xx included) a
+  success, a client that left neither (router/fleet/circuit.py);
+* its share of the backend's **pending prefill**: the prompt tokens the backend was not
+  believed to hold, work standing in front of any prefill sent there next until this one's
+  first byte comes back. The router knows it exactly and at once for its own requests, where
+  an engine's scraped queue lags by a scrape and counts requests, not tokens; the ``cost``
+  policy reads it as ``BackendView.pending_prefill_tokens``. A non-streamed response has no
+  first byte before its end, so its share is held until it ends: an overestimate, never a leak;
+* the index's **belief lifecycle** for the prompt's chain (router/index/base.py): picked at
+  creation, then accepted, first byte, failed, finished as they happen;
+* with ``index.closed_loop``, the **belief check**: the prediction, and the engine's cached
+  tokens read from the response (router/request_path/beliefs.py);
+* its **metrics**: requests by status, latency, time to first token, upstream errors;
+* the **outcome** told to a policy that learns (``RoutingPolicy.on_outcome``).
+
+The proxy (router/request_path/proxy.py) reports what happens: ``answered``, ``first_byte``,
+then one of ``finished``, ``interrupted`` or ``client_gone``. A failure before the client got
+a byte leaves the proxy as UpstreamFailed, which ``__exit__`` books as ``failed`` (the
+dispatcher then retries); anything else that ends the block without a report is booked as a
+client that left (nginx's 499), the same as a cancelled handler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from types import TracebackType
+
+from policies.routing.base import RoutingPolicy
+from policies.types import Decision, Outcome, RequestView
+from router.fleet.backends import Backend
+from router.index import PrefixIndex
+from router.metrics import RouterMetrics
+from router.request_path.beliefs import BeliefCheck, ClosedLoop
+from router.request_path.proxy import UpstreamFailed
+from router.request_path.request import RoutableRequest
+from router.request_path.usage import UsageTap
+
+log = logging.getLogger("kvroute.dispatch")
+
+#: Status label for attempts whose client disconnected (nginx's convention).
+CLIENT_CLOSED = "499"
+
+
+class AttemptBooks:
+    """What every attempt of a dispatcher books into: metrics, the index, the closed loop, and
+    the policy to tell outcomes to (None when the policy does not override ``on_outcome``, so
+    that no outcome is built for it)."""
+
+    __slots__ = ("block_tokens", "closed_loop", "index", "learner", "metrics")
+
+    def __init__(
+        self, metrics: RouterMetrics, index: PrefixIndex, block_tokens: int, closed_loop: ClosedLoop | None
+    ) -> None:
+        self.metrics = metrics
+        self.index = index
+        self.block_tokens = block_tokens
+        self.closed_loop = closed_loop
+        self.learner: RoutingPolicy | None = None
+
+    def follow(self, policy: RoutingPolicy) -> None:
+        """Tell outcomes to ``policy`` from now on, if it listens."""
+        self.learner = policy if policy.learns else None
+
+
+class Attempt:
+    """One try of ``routable`` on ``backend``; use as ``with Attempt(...) as attempt:``."""
+
+    __slots__ = (
+        "_books",
+        "_cached",
+        "_chain",
+        "_check",
+        "_error",
+        "_index",
+        "_label",
+        "_learner",
+        "_matched_tokens",
+        "_prefill",
+        "_routable",
+        "_started",
+        "_status",
+        "_trial",
+        "_ttft",
+        "_view",
+        "backend",
+        "body",
+        "first_byte_timeout",
+        "headers",
+        "tap",
+        "upstream_key",
+        "url",
+    )
+
+    def __init__(
+        self,
+        books: AttemptBooks,
+        routable: RoutableRequest,
+        view: RequestView,
+        backend: Backend,
+        decision: Decision,
+        started: float,
+        first_byte_timeout: float,
+    ) -> None:
+        name = backend.name
+        chain = view.chain
+        matched_tokens = decision.matched_blocks * books.block_tokens
+        self._books = books
+        self._routable = routable
+        self._view = view
+        self._started = started
+        self._matched_tokens = matched_tokens
+        self._learner = books.learner
+        self._label: str | None = None
+        self._error: str | None = None
+        self._status: int | None = None
+        self._ttft: float | None = None
+        self._cached: int | None = None
+        self.backend = backend
+        self.url = backend.url
+        self.upstream_key = backend.config.upstream_api_key
+        self.first_byte_timeout = first_byte_timeout
+        # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
+        # prediction, to hold against the engine's usage.prompt_tokens_details.cached_tokens).
+        self.headers = {
+            "x-kvroute-backend": name,
+            "x-kvroute-reason": decision.reason,
+            "x-kvroute-matched-tokens": str(matched_tokens),
+        }
+        # Beliefs are about a chain: a prompt without one (a policy that does not match
+        # prefixes, a prompt shorter than a block) has none to follow.
+        self._chain = chain
+        self._index = books.index if chain else None
+        if self._index is not None:
+            self._index.picked(name, chain)
+        check = None
+        if books.closed_loop is not None and chain:
+            check = BeliefCheck(
+                books.closed_loop, name, chain, decision.matched_blocks, view.prompt_tokens, routable.body,
+                routable.stream,
+            )  # fmt: skip
+        self._check = check
+        self.body = check.body if check is not None else routable.body
+        self.tap: UsageTap | None = check.tap if check is not None else None
+        backend.in_flight += 1
+        self._trial = backend.circuit.begin()
+        self._prefill = max(0, view.prompt_tokens - matched_tokens)
+        backend.pending_prefill_tokens += self._prefill
+
+    def __enter__(self) -> Attempt:
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if self._label is None:
+            if isinstance(exc, UpstreamFailed):
+                self.failed(exc.kind)
+            elif exc is not None:
+                self.client_gone()
+        self._end()
+
+    # -- what the proxy reports ----------------------------------------------------------------
+
+    def answered(self, status: int) -> None:
+        """The engine's response head (and its first body bytes) came back, about to go to the
+        client; a success status means the engine has taken the prompt."""
+        self._status = status
+        if status < 400 and self._index is not None:
+            self._index.accepted(self.backend.name, self._chain)
+
+    def first_byte(self, at: float) -> None:
+        """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
+        self._release_prefill()
+        ttft = self._ttft = at - self._started
+        self._books.metrics.ttft_by(self._routable.endpoint).observe(ttft)
+        if self._index is not None:
+            self._index.first_byte(self.backend.name, self._chain)
+
+    def finished(self, status: int) -> None:
+        """The engine's answer, whatever its ``status``, reached the client whole."""
+        self._label = str(status)
+        if self._check is not None:
+            self._cached = self._check.settle()
+        if status >= 500:
+            self.backend.circuit.record_failure()
+        else:
+            self.backend.circuit.record_success()
+
+    def interrupted(self, kind: str) -> None:
+        """The stream broke after the client got bytes; it was ended with an error event."""
+        self._label = self._error = "stream_error"
+        self._books.metrics.upstream_errors.labels(self.backend.name, kind).inc()
+        self.backend.circuit.record_failure()
+
+    def client_gone(self) -> None:
+        """The client left (or its handler was cancelled): not the backend's doing, no verdict."""
+        self._label = CLIENT_CLOSED
+        self._error = "client_gone"
+
+    # -- what the dispatcher's ``with`` books --------------------------------------------------
+
+    def failed(self, kind: str) -> None:
+        """The backend failed before the client got a byte (the request may be retried elsewhere)."""
+        self._label = "upstream_error"
+        self._error = kind
+        self._status = None
+        if self._index is not None:
+            self._index.failed(self.backend.name, self._chain)
+        self._books.metrics.upstream_errors.labels(self.backend.name, kind).inc()
+        self.backend.circuit.record_failure()
+
+    def _release_prefill(self) -> None:
+        self.backend.pending_prefill_tokens -= self._prefill
+        self._prefill = 0
+
+    def _end(self) -> None:
+        """Give every ledger back, once, after the verdict above was booked."""
+        backend, routable, metrics = self.backend, self._routable, self._books.metrics
+        self._release_prefill()
+        backend.circuit.end(self._trial)
+        backend.in_flight -= 1
+        label = self._label or CLIENT_CLOSED
+        metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
+        metrics.latency_by(routable.endpoint).observe(time.perf_counter() - self._started)
+        if self._index is not None:
+            self._index.finished(backend.name, self._chain)
+        if self._learner is not None:
+            self._tell(self._learner)
+
+    def _tell(self, learner: RoutingPolicy) -> None:
+        outcome = Outcome(
+            backend=self.backend.name,
+            request=self._view,
+            matched_tokens=self._matched_tokens,
+            cached_tokens=self._cached,
+            ttft_s=self._ttft,
+            status=self._status,
+            error=self._error,
+        )
+        try:
+            learner.on_outcome(outcome)
+        except Exception:
+            # A policy's bug must not fail a request that was served, nor skip its books.
+            log.exception("policy %s failed in on_outcome", type(learner).__name__)
