@@ -11,8 +11,10 @@ import pytest
 
 from kvroute.cli import main
 from loadtest.sim.timing import EngineTiming
-from loadtest.simulate import FleetModel, bounds, simulate
+from loadtest.simulate import FleetModel, Simulation, bounds, simulate
 from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
+from policies.routing.prefix_aware import PrefixAware
+from policies.types import Outcome
 
 TIMING = EngineTiming()
 
@@ -203,6 +205,39 @@ def test_closed_loop_beliefs_recover_accuracy_in_the_simulator() -> None:
     _, open_loop = simulate(requests, inflated, "prefix_aware")
     _, closed = simulate(requests, replace(inflated, closed_loop=True), "prefix_aware")
     assert closed.belief_accuracy > open_loop.belief_accuracy + 0.1
+
+
+class Listening(PrefixAware):
+    """prefix_aware, keeping the outcomes it is told."""
+
+    def __init__(self, params=None, *, seed=None) -> None:
+        super().__init__(params, seed=seed)
+        self.heard: list[Outcome] = []
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self.heard.append(outcome)
+
+
+@pytest.mark.parametrize("closed_loop", [False, True])
+def test_a_learning_policy_hears_each_request_offline_as_it_would_live(closed_loop: bool) -> None:
+    """One outcome per request, at its end: served ones with their time to first token, the
+    refused one with the engine's 400; the engine's cached tokens only with the closed loop."""
+    model = FleetModel(engines=2, capacity_tokens=60_000, closed_loop=closed_loop)
+    requests = [*synthetic(60), req(4.0, 100_000, 1, tuple(range(200)))]
+    policy = Listening(seed=0)
+    results = Simulation(model, policy).run(requests)
+    assert len(policy.heard) == len(requests)
+    served = [r for r in results if r.ttft_s is not None]
+    heard_served = [o for o in policy.heard if o.status == 200]
+    assert sorted(o.ttft_s for o in heard_served) == sorted(r.ttft_s for r in served)
+    assert all(o.success and o.error is None for o in heard_served)
+    (refused,) = [o for o in policy.heard if o.status == 400]
+    assert refused.ttft_s is None and refused.request.prompt_tokens == 100_000
+    assert max(o.matched_tokens for o in heard_served) > 0
+    if closed_loop:
+        assert sorted(o.cached_tokens for o in heard_served) == sorted(r.cached_tokens for r in served)
+    else:
+        assert all(o.cached_tokens is None for o in policy.heard)
 
 
 # --- the command --------------------------------------------------------------------------------
