@@ -12,6 +12,7 @@ import logging
 import sys
 
 from router.config import ConfigError, load_config
+from router.fleet.settings import ENGINE_KINDS
 from router.http.server import run_event_loop
 
 
@@ -120,7 +121,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-blocks", type=int, default=0, help="prefix cache capacity per engine, in blocks")
     sim.add_argument(
         "--kv-events",
-        choices=("vllm", "sglang"),
+        choices=ENGINE_KINDS,
         help="also publish KV cache events over ZMQ in this engine's format (for index.mode: events)",
     )
     sim.set_defaults(func=_sim)

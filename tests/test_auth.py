@@ -130,7 +130,7 @@ async def test_keys_from_a_file_and_a_kubernetes_secret_mount(tmp_path, engine, 
     [
         ({"keys": {"a": "same-key-012345", "b": "same-key-012345"}}, "two tenants"),
         ({"keys": {"a": ""}}, "tenant 'a'"),
-        ({"keys": {"a": 42}}, "tenant 'a'"),
+        ({"keys": {"a": 42}}, "auth.keys.a: expected a key or a list of keys"),
         ({"keys_dir": "/nonexistent/kvroute-keys"}, "auth.keys_dir: cannot read"),
         ({"keys_file": "/nonexistent/keys.yaml"}, "auth.keys_file: cannot read"),
     ],

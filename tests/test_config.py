@@ -162,7 +162,7 @@ def _delete(path: str) -> Callable[[dict], None]:
         pytest.param(_set("backends.1.name", "a"), "backends", id="duplicate-names"),
         pytest.param(_set("backends.0.engine", "tgi"), "backends[0].engine", id="bad-engine"),
         pytest.param(_set("backends.0.models", "llama"), "backends[0].models", id="models-not-list"),
-        pytest.param(_set("backends.0.models", [""]), "backends[0].models", id="models-empty-name"),
+        pytest.param(_set("backends.0.models", [""]), "backends[0].models[0]", id="models-empty-name"),
         pytest.param(_set("backends.0.capacity_blocks", 0), "backends[0].capacity_blocks", id="capacity-0"),
         pytest.param(_set("backends.0.weight", 2), "backends[0].weight", id="backend-unknown-key"),
         pytest.param(_set("backends.1", "http://b:8000"), "backends[1]", id="backend-not-mapping"),

@@ -59,7 +59,7 @@ def test_static_discovery_needs_backends():
 def test_dynamic_discovery_may_start_without_static_backends():
     config = config_from_dict({"discovery": {"kind": "dns", "dns": {"name": "vllm.ns.svc", "port": 8001}}})
     assert config.backends == ()
-    dns = config.discovery.dns_config
+    dns = config.discovery.dns
     assert (dns.name, dns.port, dns.engine, dns.interval_s) == ("vllm.ns.svc", 8001, "vllm", 10.0)
 
 

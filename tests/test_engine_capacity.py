@@ -26,6 +26,7 @@ from router.http.app import build_index
 from router.index import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis_store import RedisIndex
+from router.kv_events.settings import EventsConfig
 from router.metrics import RouterMetrics
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
@@ -55,7 +56,7 @@ def test_engine_tokens_become_index_blocks_of_characters_or_event_blocks():
     assert approximate.blocks(768) == LEARNED
     assert approximate.blocks(31) == 1  # rounded down, never zero
     events = CapacitySizer(
-        PreciseIndex(16, {}, 2.0, 1000), IndexConfig(mode="events", events={"block_size": 16})
+        PreciseIndex(16, {}, 2.0, 1000), IndexConfig(mode="events", events=EventsConfig(block_size=16))
     )
     assert events.blocks(768) == 48
 

@@ -184,7 +184,7 @@ def test_external_redis_reads_password_from_existing_secret():
     objects = render(VALUES_SETS["external_redis"])
     config = router_config(objects)
     assert config.index.store == "redis"
-    redis = config.index.redis_config
+    redis = config.index.redis
     assert redis.url == "rediss://redis.example.internal:6380/2"
     assert redis.namespace == "team-a" and redis.timeout_ms == 3  # the user's own keys are kept
     env = {e["name"]: e for e in pod_spec(objects)["containers"][0]["env"]}
@@ -202,7 +202,7 @@ def test_builtin_redis_is_a_small_statefulset_reached_by_its_service():
     assert args[args.index("--appendonly") + 1] == "no"
     service = find(ephemeral, "Service", f"{FULLNAME}-redis")
     assert service["spec"]["selector"] == statefulset["spec"]["template"]["metadata"]["labels"]
-    redis = router_config(ephemeral).index.redis_config
+    redis = router_config(ephemeral).index.redis
     assert redis.url == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
     assert redis.password_env is None
 
@@ -228,7 +228,7 @@ def test_kubernetes_discovery_replaces_the_static_list_with_its_own_read_only_ac
     config = router_config(objects)
     assert config.backends == ()
     assert config.discovery.kind == "kubernetes"
-    settings = config.discovery.kubernetes_config
+    settings = config.discovery.kubernetes
     assert (settings.label_selector, settings.port, settings.namespace) == ("app=vllm", 8001, "")
     account = find(objects, "ServiceAccount")
     role = find(objects, "Role")
@@ -251,7 +251,7 @@ def test_kubernetes_discovery_replaces_the_static_list_with_its_own_read_only_ac
 
 def test_discovery_in_another_namespace_gets_its_role_there():
     objects = render(VALUES_SETS["kubernetes_discovery_other_namespace"])
-    assert router_config(objects).discovery.kubernetes_config.namespace == "gpu"
+    assert router_config(objects).discovery.kubernetes.namespace == "gpu"
     assert find(objects, "Role")["metadata"]["namespace"] == "gpu"
     binding = find(objects, "RoleBinding")
     assert binding["metadata"]["namespace"] == "gpu"

@@ -15,6 +15,7 @@ import pytest
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
 from router.http.ratelimit import SWEEP_EVERY, RateLimiter
+from router.http.settings import TenantLimits
 from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
 
@@ -154,7 +155,7 @@ def refused(limiter: RateLimiter, tenant: str, tokens: int = 0) -> float | None:
 
 def test_buckets_refill_at_their_rate():
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 2, "request_burst": 4}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=2, request_burst=4), {}, clock=clock)
     assert [refused(limiter, "a") for _ in range(5)] == [None] * 4 + [1]
     clock.now += 0.5  # one request's worth
     assert [refused(limiter, "a") for _ in range(2)] == [None, 1]
@@ -164,18 +165,18 @@ def test_buckets_refill_at_their_rate():
 
 def test_reconfigure_keeps_levels_and_applies_new_rates():
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 1, "request_burst": 2}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=1, request_burst=2), {}, clock=clock)
     assert [refused(limiter, "a") for _ in range(3)] == [None, None, 1]
-    limiter.configure({"requests_per_s": 0.1, "request_burst": 2}, {})
+    limiter.configure(TenantLimits(requests_per_s=0.1, request_burst=2), {})
     assert refused(limiter, "a") == 10  # the empty bucket stayed empty, at the new rate
-    limiter.configure({}, {})
+    limiter.configure(TenantLimits(), {})
     assert refused(limiter, "a") is None
 
 
 def test_idle_tenants_are_forgotten():
     """Any bearer key is a tenant when no keys are configured: state must not grow with them."""
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 10}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=10), {}, clock=clock)
     for i in range(SWEEP_EVERY - 1):
         assert refused(limiter, f"t{i}") is None
     clock.now += 1  # every bucket is full again
@@ -184,7 +185,7 @@ def test_idle_tenants_are_forgotten():
 
 
 def test_unlimited_tenants_keep_no_state():
-    limiter = RateLimiter({}, {"capped": {"max_concurrent": 1}})
+    limiter = RateLimiter(TenantLimits(), {"capped": TenantLimits(max_concurrent=1)})
     for i in range(100):
         assert refused(limiter, f"t{i}") is None
     assert limiter.tracked_tenants == 0

@@ -8,12 +8,13 @@ from typing import Any
 import aiohttp
 
 from loadtest.sim.fleet import SimFleet
-from router.config import BackendConfig, RedisConfig
+from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
 from router.metrics import RedisMetrics, RouterMetrics
 from router.redis.breaker import RedisLink
 from router.redis.client import build_client
+from router.redis.settings import RedisConfig
 from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
 

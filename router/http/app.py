@@ -17,7 +17,6 @@ from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from policies.eviction import block_set_factory
-from policies.routing import build_policy
 from router.config import Config
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
@@ -141,7 +140,7 @@ def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
     index: PrefixIndex = MemoryIndex(config.index.max_blocks, block_sets)
     if config.index.mode == "events":
         # Precise mode: the engines' KV events are the truth (router/kv_events feeds this index).
-        events = config.index.events_config
+        events = config.index.events
         index = PreciseIndex(
             events.block_size, events.medium_weights, events.provisional_ttl_s, config.index.max_blocks
         )
@@ -185,10 +184,9 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
-            policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
             upstream = UpstreamPool(config.upstream)
             pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
-            app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(upstream), router_metrics)
+            app[DISPATCHER] = Dispatcher(config, pool, index, config.policy, Proxy(upstream), router_metrics)
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
             await upkeep.start()

@@ -35,6 +35,7 @@ from router.request_path.beliefs import BeliefCheck, BeliefMetrics, ClosedLoop
 from router.request_path.prefill import PendingPrefill
 from router.request_path.proxy import ClientGone, Proxy, StreamInterrupted, UpstreamFailed, upstream_headers
 from router.request_path.request import CHAT, TENANT, RoutableRequest
+from router.request_path.tokenize import load_tokenizer
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -62,9 +63,9 @@ class Dispatcher:
         self.block_tokens = max(1, round(config.index.block_size / config.index.chars_per_token))
         #: Token mode (``index.mode: events``): chains are block keys over the engine's token ids,
         #: in blocks of the engines' size, so they meet the keys the events produce.
-        self.tokenizer = config.index.tokenizer_config.load() if config.index.mode == "events" else None
+        self.tokenizer = load_tokenizer(config.index.tokenizer) if config.index.mode == "events" else None
         if self.tokenizer is not None:
-            self.block_tokens = config.index.events_config.block_size
+            self.block_tokens = config.index.events.block_size
         #: The index when it is fed by KV events: beliefs at the pick, and eviction ahead.
         self.precise = index if isinstance(index, PreciseIndex) else None
         #: Closed-loop beliefs (router/request_path/beliefs.py): engines' cached-token reports
