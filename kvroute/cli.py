@@ -84,6 +84,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_event_loop(run_demo(conversations=args.conversations, seed=args.seed))
 
 
+def _config_schema(args: argparse.Namespace) -> int:
+    from kvroute.config_schema import config_schema, render
+
+    sys.stdout.write(render(config_schema()))
+    return 0
+
+
 #: ``kvroute bench NAME``: the module whose ``main(argv)`` runs it (loadtest/, imported on use).
 _BENCHMARKS = {
     "overhead": "loadtest.overhead",
@@ -156,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--conversations", type=int, default=96, help="multi-turn conversations to replay")
     demo.add_argument("--seed", type=int, default=7)
     demo.set_defaults(func=_demo)
+
+    config = commands.add_parser("config", help="the config file: config schema (see --help)")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    schema = config_commands.add_parser(
+        "schema", help="print the config's JSON Schema (for editors and validators; docs/config.schema.json)"
+    )
+    schema.set_defaults(func=_config_schema)
 
     bench = commands.add_parser("bench", help="benchmarks: bench overhead | bench report (each has --help)")
     bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="overhead | report | routing")

@@ -21,9 +21,11 @@ import yaml
 
 from router.config import Config, config_from_dict
 
-CHART = Path(__file__).resolve().parent.parent / "helm" / "kvroute"
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvroute"
 RELEASE, NAMESPACE = "demo", "llm"
 FULLNAME = f"{RELEASE}-kvroute"
+EXAMPLE_CONFIG = yaml.safe_load((ROOT / "config.example.yaml").read_text())
 #: Oldest (Chart.yaml kubeVersion) and newest Kubernetes whose schemas the manifests must meet.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 
@@ -70,6 +72,8 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6}},
     "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
+    # Every setting the router documents passes the chart's schema of `config` (but `listen`, the chart's).
+    "every_config_setting": {"config": {k: v for k, v in EXAMPLE_CONFIG.items() if k != "listen"}},
 }
 
 
@@ -308,6 +312,9 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
         ),
         ({"redis": {"enabled": True, "mode": "external"}}, "/redis/external/url"),
         ({"replicas": 3}, "replicas"),
+        # The config's own schema (generated from its types): a typo fails here, not at the pod's start.
+        ({"config": {"routing": {"polcy": "cost"}}}, "'/config/routing': additional properties 'polcy'"),
+        ({"config": {"index": {"redis": {"timeout_ms": 0}}}}, "/config/index/redis/timeout_ms"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_key(values, complaint):
