@@ -26,7 +26,7 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from router.http.server import RouterServer
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, eventually, scrape, total
 from tests.prometheus_server import PrometheusError, PrometheusServer
 from tests.redis_servers import RedisServer, redis_server
 

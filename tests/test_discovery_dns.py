@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import eventually, scrape, total
 from tests.dns_server import DnsServer
+from tests.helpers import eventually, scrape, total
 
 NAME = "engines.kvroute.test."
 PROMPT = "A long shared system prompt for discovery tests. " * 30

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import eventually, scrape, total
+from tests.helpers import eventually, scrape, total
 from tests.k8s_api import FakeKubeApi, endpoint_slice, pod_endpoint
 
 PROMPT = "A long shared system prompt for discovery tests. " * 30

@@ -27,7 +27,7 @@ from router.index import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
 
 #: The simulated engines' cache: 48 blocks of 16 tokens = 768 tokens = 3072 characters.

@@ -14,8 +14,8 @@ from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
 from router.fleet.engines import ADAPTERS, EngineStats
-from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.fault_engine import MODEL, backends, start_engines
+from tests.helpers import FAST, backends_of, eventually, scrape, total
 
 FIXTURES = Path(__file__).parent / "engine_metrics"
 

@@ -10,8 +10,8 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from tests.conftest import backends_of, eventually, scrape, total
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import backends_of, eventually, scrape, total
 
 ROUND_ROBIN = {"policy": "round_robin"}
 

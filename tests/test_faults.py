@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import eventually, scrape, total, wait_released
 
 #: The fast stream a slow client reads: far more than any socket buffer on the way can hold.
 FIREHOSE_CHUNK = 64 * 1024

@@ -11,7 +11,7 @@ import asyncio
 
 import aiohttp
 
-from tests.conftest import backends_of, eventually, scrape, total, wait_released
+from tests.helpers import backends_of, eventually, scrape, total, wait_released
 from tests.redis_servers import RedisServer
 
 MODEL = "sim-model"

@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 
 from router.fleet.circuit import CircuitBreaker, CircuitState
-from tests.conftest import eventually, scrape, total
 from tests.fault_engine import MODEL, backends
+from tests.helpers import eventually, scrape, total
 
 
 class Clock:

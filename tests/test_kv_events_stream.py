@@ -20,7 +20,7 @@ from router.config import BackendConfig
 from router.http.app import INDEX, POOL
 from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
+from tests.helpers import FAST, MakeRouter, backends_of, eventually, scrape, total
 
 #: Small KV caches (48 blocks of 16 tokens), so a handful of prompts forces evictions.
 TIGHT = EngineTiming(

@@ -9,7 +9,7 @@ import pytest
 from loadtest.sim.fleet import SimFleet
 from policies.routing import BUILTIN
 from router.http.app import POOL
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, eventually, scrape, total
 from tests.test_policies_rules import REASONS
 
 MODEL = "sim-model"

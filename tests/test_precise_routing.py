@@ -12,7 +12,7 @@ from loadtest.sim.fleet import SimFleet
 from router.http.app import INDEX
 from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
+from tests.helpers import FAST, MakeRouter, backends_of, eventually, scrape, total
 
 EVENTS = {"mode": "events", "tokenizer": {"kind": "chunk"}}
 MESSAGES = [

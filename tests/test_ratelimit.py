@@ -15,8 +15,8 @@ import pytest
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
 from router.http.ratelimit import SWEEP_EVERY, RateLimiter
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import eventually, scrape, total, wait_released
 
 #: One request per 100 s, two back to back: the third in a test is always refused.
 SLOW = {"requests_per_s": 0.01, "request_burst": 2}

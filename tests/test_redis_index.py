@@ -5,47 +5,15 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
+from collections.abc import Callable
 
 import pytest
 
 from policies.eviction import block_set_factory
-from router.config import config_from_dict
-from router.http.app import build_index
 from router.index import MemoryIndex
-from router.index.redis_store import WARM_CONNECTIONS, RedisIndex
-from router.metrics import RouterMetrics
-from tests.conftest import eventually
+from router.index.redis_store import WARM_CONNECTIONS
+from tests.helpers import INDEX_BACKENDS, eventually, open_index, sample
 from tests.redis_servers import redis_server
-
-BACKENDS = ["a", "b", "c"]
-
-
-def index_config(redis: dict[str, Any], **index: Any):
-    return config_from_dict(
-        {
-            "backends": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in BACKENDS],
-            "index": {"store": "redis", "redis": redis, **index},
-        }
-    )
-
-
-@asynccontextmanager
-async def open_index(redis: dict[str, Any], **index: Any) -> AsyncIterator[tuple[RedisIndex, RouterMetrics]]:
-    metrics = RouterMetrics()
-    built = build_index(index_config(redis, **index), metrics)
-    assert isinstance(built, RedisIndex)
-    await built.start()
-    try:
-        yield built, metrics
-    finally:
-        await built.close()
-
-
-def sample(metrics: RouterMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
 
 
 async def until(predicate: Callable[[], bool]) -> None:
@@ -71,14 +39,14 @@ async def test_match_is_one_round_trip(server):
     async with open_index({"url": server.url}) as (index, _):
         index.record("a", list(range(1, 200)))
         await index.flush()
-        await index.match([1, 2], BACKENDS)  # loads the script
+        await index.match([1, 2], INDEX_BACKENDS)  # loads the script
 
         def calls() -> dict[str, int]:
             stats = server.client().info("commandstats")
             return {k: v["calls"] for k, v in stats.items()}
 
         before = calls()
-        assert (await index.match(list(range(1, 300)), BACKENDS))["a"] == 199
+        assert (await index.match(list(range(1, 300)), INDEX_BACKENDS))["a"] == 199
         after = calls()
         assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 1
         assert after.get("cmdstat_eval", 0) == before.get("cmdstat_eval", 0)
@@ -92,20 +60,20 @@ async def test_capacity_and_eviction_agree_with_the_memory_index(server, evictio
     """Random traffic through both indexes gives the same beliefs: same capacity, same victims."""
     rng = random.Random(4)
     memory = MemoryIndex(10_000, block_set_factory(eviction))
-    for name in BACKENDS:
+    for name in INDEX_BACKENDS:
         memory.add_backend(name, 12)
     roots = [rng.randrange(1 << 63) for _ in range(8)]
     chains = [[root, *(rng.randrange(1 << 64) for _ in range(rng.randint(0, 9)))] for root in roots]
     async with open_index({"url": server.url}, backend_capacity_blocks=12, eviction=eviction) as (index, _):
         for _ in range(120):
             chain = rng.choice(chains)[: rng.randint(1, 10)]
-            backend = rng.choice(BACKENDS)
+            backend = rng.choice(INDEX_BACKENDS)
             memory.record(backend, chain)
             index.record(backend, chain)
         await index.flush()
         for chain in chains:
-            assert await index.match(chain, BACKENDS) == await memory.match(chain, BACKENDS)
-        for name in BACKENDS:
+            assert await index.match(chain, INDEX_BACKENDS) == await memory.match(chain, INDEX_BACKENDS)
+        for name in INDEX_BACKENDS:
             assert index.blocks_of(name) == memory.blocks_of(name) <= 12
         assert index.evictions == memory.evictions > 0
 
@@ -177,7 +145,7 @@ async def test_redis_down_falls_back_to_local_view_and_recovers(server, caplog):
         await index.flush()
         server.stop()
         for _ in range(20):
-            assert await index.match([1, 2, 3], BACKENDS) == {"a": 3, "b": 0, "c": 0}
+            assert await index.match([1, 2, 3], INDEX_BACKENDS) == {"a": 3, "b": 0, "c": 0}
         assert sample(metrics, "kvroute_redis_up") == 0
         assert sample(metrics, "kvroute_redis_fallbacks_total") >= 19
         assert sample(metrics, "kvroute_redis_errors_total", op="match", kind="connection") >= 1
@@ -188,7 +156,7 @@ async def test_redis_down_falls_back_to_local_view_and_recovers(server, caplog):
         await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
         assert any("Redis is back" in r.getMessage() for r in caplog.records)
         fallbacks = sample(metrics, "kvroute_redis_fallbacks_total")
-        assert await index.match([1, 2, 3], BACKENDS) == {"a": 0, "b": 0, "c": 0}  # shared again
+        assert await index.match([1, 2, 3], INDEX_BACKENDS) == {"a": 0, "b": 0, "c": 0}  # shared again
         assert sample(metrics, "kvroute_redis_fallbacks_total") == fallbacks
 
 

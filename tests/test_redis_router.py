@@ -14,7 +14,7 @@ from router.fleet.shared_load import SharedLoad
 from router.metrics import RedisMetrics, RouterMetrics
 from router.redis.breaker import RedisLink
 from router.redis.client import build_client
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, eventually, scrape, total
 from tests.redis_servers import RedisServer, redis_server
 
 MODEL = "sim-model"

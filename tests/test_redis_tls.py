@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import open_index, sample
 from tests.redis_servers import RedisServer, free_port, redis_server
-from tests.test_redis_index import open_index, sample
 
 
 def openssl(*args: str, cwd: Path) -> None:

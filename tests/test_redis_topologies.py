@@ -9,9 +9,8 @@ import pytest
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
-from tests.conftest import eventually
+from tests.helpers import eventually, open_index, sample
 from tests.redis_servers import RedisClusterServers, RedisSentinel, redis_server
-from tests.test_redis_index import open_index, sample
 
 
 @pytest.fixture(scope="module")

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +11,7 @@ import yaml
 
 from router.config import config_from_dict
 from router.http.processes import refusal
-from tests.conftest import backends_of, eventually
+from tests.helpers import backends_of, eventually, kvroute
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
@@ -31,16 +29,6 @@ def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Pa
         )
     )
     return path
-
-
-def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``kvroute ARGS``; its output piped (read it with communicate), or appended to ``log``."""
-    if log is None:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out, stderr=out)
 
 
 def test_workers_with_the_memory_store_are_refused(tmp_path):

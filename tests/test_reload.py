@@ -9,8 +9,8 @@ import aiohttp
 import pytest
 
 from router.http.app import RUNTIME
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import eventually, scrape, total, wait_released
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 

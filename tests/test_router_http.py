@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST, backends_of, eventually, scrape, total, wait_released
+from tests.helpers import FAST, backends_of, eventually, scrape, total, wait_released
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1k characters: several 256-character blocks

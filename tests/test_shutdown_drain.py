@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST, eventually
+from tests.helpers import FAST, eventually
 
 MODEL = "sim-model"
 #: Slow decode: the stream is still running when SIGTERM arrives.

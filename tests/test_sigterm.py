@@ -18,8 +18,8 @@ import aiohttp
 import yaml
 
 from loadtest.soak import start_router
-from tests.conftest import eventually
 from tests.fault_engine import MODEL, backends, start_engines
+from tests.helpers import eventually
 
 DRAIN_S = 1.0
 

@@ -10,7 +10,7 @@ import pytest
 
 from router.config import UpstreamConfig
 from router.request_path.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
-from tests.conftest import eventually
+from tests.helpers import eventually
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 

@@ -16,9 +16,8 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.conftest import backends_of
+from tests.helpers import backends_of, kvroute
 from tests.redis_servers import free_port, redis_server
-from tests.test_redis_workers import kvroute
 
 WORKERS = 2
 ADMIN = {"Authorization": "Bearer admin-workers-key"}
