@@ -106,15 +106,6 @@ def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> 
     )
 
 
-async def eventually(check: Callable[[], Awaitable[bool]], timeout: float = 5.0) -> None:
-    """Poll ``check`` until it is true, failing after ``timeout`` seconds."""
-    deadline = time.monotonic() + timeout
-    while not await check():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
 def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
     """``kvroute ARGS``; its output piped (read it with communicate), or appended to ``log``."""
     if log is None:

@@ -27,7 +27,7 @@ from router.index import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
-from tests.helpers import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.redis_servers import RedisServer, redis_server
 
 #: The simulated engines' cache: 48 blocks of 16 tokens = 768 tokens = 3072 characters.
@@ -136,7 +136,7 @@ async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_fo
         async def trimmed() -> bool:
             return client.zcard("{kvroute}:blocks:a") == 5
 
-        await eventually(trimmed)
+        await wait_for(trimmed, what="backend a's Redis blocks trimmed to 5")
         # A chain's first blocks are the most valuable (every longer prompt shares them).
         assert await index.match(chain, ["a"]) == {"a": 5}
         assert index.capacity_of("a") == 5 and index.local.blocks_of("a") == 5
@@ -167,7 +167,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
                 b["name"]: b["index_capacity_blocks"] for b in await admin_backends(http, router.url)
             } == expected
 
-        await eventually(learned)
+        await wait_for(learned, what="index capacities learned from the engines")
         # 45 distinct prompts of 15 blocks each, spread by load: ~225 blocks offered to each backend.
         gate = asyncio.Semaphore(3)
 
@@ -188,7 +188,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
             assert all(now[name] <= cap for name, cap in expected.items()), now
             return now == expected
 
-        await eventually(full)
+        await wait_for(full, what="every backend's believed cache full to its capacity")
         samples = await scrape(http, router.url)
         for name, cap in expected.items():
             assert total(samples, "kvroute_index_backend_capacity_blocks", backend=name) == cap

@@ -15,7 +15,7 @@ from aiohttp import web
 from loadtest.sim.fleet import SimFleet
 from router.fleet.engines import ADAPTERS, EngineStats
 from tests.fault_engine import MODEL, backends, start_engines
-from tests.helpers import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 
 FIXTURES = Path(__file__).parent / "engine_metrics"
 
@@ -110,7 +110,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         async def stale() -> bool:
             return (await backend())["engine_waiting"] is None
 
-        await eventually(stale)
+        await wait_for(stale, what="the engine's waiting count to go stale")
         samples = await scrape(http, router.url)
         assert not any(name == "kvroute_backend_engine_running" for name, _ in samples)
         assert total(samples, "kvroute_backend_scrape_errors_total", backend="sg") >= 1

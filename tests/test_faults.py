@@ -18,7 +18,7 @@ import pytest
 from aiohttp import web
 
 from tests.fault_engine import MODEL, FaultEngine, backends
-from tests.helpers import eventually, scrape, total, wait_released
+from tests.helpers import scrape, total, wait_for, wait_released
 
 #: The fast stream a slow client reads: far more than any socket buffer on the way can hold.
 FIREHOSE_CHUNK = 64 * 1024
@@ -84,7 +84,7 @@ async def assert_released(http: aiohttp.ClientSession, url: str, engine: FaultEn
     async def upstream_closed() -> bool:
         return engine.open == 0
 
-    await eventually(upstream_closed)
+    await wait_for(upstream_closed, what="the engine to see its connection closed")
 
 
 async def post(http: aiohttp.ClientSession, url: str, stream: bool = False, **headers: str):
@@ -165,7 +165,9 @@ async def test_a_slow_client_holds_back_the_engine_instead_of_filling_the_router
             await asyncio.sleep(0.2)
             return sent == engine.sent and engine.sent > 0
 
-        await eventually(engine_blocked, timeout=15)
+        await wait_for(
+            engine_blocked, what="the engine to stop sending (blocked by the slow client)", timeout=15
+        )
         assert engine.sent < total_bytes // 2, engine.sent
         head_and_start = b""
         while b"\r\n\r\n" not in head_and_start:
@@ -214,7 +216,7 @@ async def test_an_engine_restarted_on_the_same_port_is_used_again(engine, make_r
     async def serving_again() -> bool:
         return (await post(http, router.url))[0] == 200
 
-    await eventually(serving_again)
+    await wait_for(serving_again, what="the router to serve again")
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_requests_total", status="200") >= 2
     await assert_released(http, router.url, engine)

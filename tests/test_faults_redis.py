@@ -11,7 +11,7 @@ import asyncio
 
 import aiohttp
 
-from tests.helpers import backends_of, eventually, scrape, total, wait_released
+from tests.helpers import backends_of, scrape, total, wait_for, wait_released
 from tests.redis_servers import RedisServer
 
 MODEL = "sim-model"
@@ -41,11 +41,11 @@ async def test_redis_losing_its_data_fails_nothing_and_is_refilled(server, fleet
     async def written() -> bool:
         return any(client.scan_iter("{kvroute}:blocks:*"))
 
-    await eventually(written)
+    await wait_for(written, what="blocks written to Redis")
     client.flushall()  # an eviction storm, a FLUSHALL, a failover to an empty replica
     statuses = [await chat(http, router.url, f"after the flush {i}") for i in range(5)]
     assert [s for s, _ in statuses] == [200] * 5
-    await eventually(written)  # the shared index fills up again from new requests
+    await wait_for(written, what="the shared index to fill up again from new requests")
     assert (await chat(http, router.url, "and again"))[1] == "prefix_hit"
     await wait_released(http, router.url)
 
@@ -66,5 +66,5 @@ async def test_slow_redis_delays_no_request_beyond_its_deadline(server, fleet, m
     async def shared_again() -> bool:
         return total(await scrape(http, router.url), "kvroute_redis_up") == 1
 
-    await eventually(shared_again, timeout=10)
+    await wait_for(shared_again, what="the router to count Redis as up again", timeout=10)
     await wait_released(http, router.url)

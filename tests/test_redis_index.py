@@ -5,22 +5,14 @@ from __future__ import annotations
 import asyncio
 import logging
 import random
-from collections.abc import Callable
 
 import pytest
 
 from policies.eviction import block_set_factory
 from router.index import MemoryIndex
 from router.index.redis_store import WARM_CONNECTIONS
-from tests.helpers import INDEX_BACKENDS, eventually, open_index, sample
+from tests.helpers import INDEX_BACKENDS, open_index, sample, wait_for
 from tests.redis_servers import redis_server
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    async def check() -> bool:
-        return predicate()
-
-    await eventually(check)
 
 
 async def test_match_after_record_is_shared_between_indexes(server):
@@ -87,7 +79,7 @@ async def test_ttl_eviction_forgets_blocks_unused_for_the_ttl(server):
         async def aged_out() -> bool:
             return await index.match([1, 2], ["a"]) == {"a": 0}
 
-        await eventually(aged_out)  # lookups stop believing it without any write
+        await wait_for(aged_out, what="lookups to stop believing the block without any write")
         index.record("a", [3])
         await index.flush()
         # The next write removes the expired entries themselves.
@@ -124,7 +116,9 @@ async def test_remove_backend_deletes_its_beliefs(server):
         index.record("a", [1, 2])
         await index.flush()
         index.remove_backend("a")
-        await until(lambda: server.client().exists("{kvroute}:blocks:a") == 0)
+        await wait_for(
+            lambda: server.client().exists("{kvroute}:blocks:a") == 0, what="backend a's blocks deleted"
+        )
 
 
 async def test_full_write_queue_drops_and_counts(server):
@@ -153,7 +147,7 @@ async def test_redis_down_falls_back_to_local_view_and_recovers(server, caplog):
         assert len(down) == 1  # once per episode, not per request
 
         server.start()  # empty: a restarted Redis without persistence
-        await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
+        await wait_for(lambda: sample(metrics, "kvroute_redis_up") == 1, what="Redis counted as up again")
         assert any("Redis is back" in r.getMessage() for r in caplog.records)
         fallbacks = sample(metrics, "kvroute_redis_fallbacks_total")
         assert await index.match([1, 2, 3], INDEX_BACKENDS) == {"a": 0, "b": 0, "c": 0}  # shared again
@@ -173,7 +167,7 @@ async def test_slow_redis_times_out_to_the_local_view(server):
         assert sample(metrics, "kvroute_redis_errors_total", op="match", kind="timeout") == 2
         assert sample(metrics, "kvroute_redis_up") == 0
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 4
-        await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
+        await wait_for(lambda: sample(metrics, "kvroute_redis_up") == 1, what="Redis counted as up again")
         assert await index.match([5, 6], ["b"]) == {"b": 2}
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 4
 
