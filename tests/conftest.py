@@ -17,9 +17,10 @@ from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
 from router.config import config_from_dict, load_config
 from router.http.server import RouterServer
+from tests import redis_servers
 from tests.fault_engine import FaultEngine, start_engines
 from tests.helpers import FAST, Deployment, MakeRouter
-from tests.redis_servers import RedisServer, redis_server
+from tests.redis_servers import RedisServer
 
 
 @pytest.fixture
@@ -44,9 +45,9 @@ async def fault_engines() -> AsyncIterator[Callable[..., Awaitable[list[FaultEng
 
 
 @pytest.fixture
-def server() -> Iterator[RedisServer]:
+def redis_server() -> Iterator[RedisServer]:
     """A private redis-server on a free port, stopped after the test."""
-    with redis_server() as started:
+    with redis_servers.redis_server() as started:
         yield started
 
 

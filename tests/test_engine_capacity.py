@@ -115,11 +115,15 @@ def test_the_precise_index_records_a_capacity_but_never_evicts_for_it():
     assert index.match_now(list(range(1, 21)), ["a"]) == {"a": 20}
 
 
-async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_for_a_write(server):
+async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_for_a_write(redis_server):
     config = config_from_dict(
         {
             "backends": [{"name": "a", "url": "http://127.0.0.1:1"}],
-            "index": {"store": "redis", "redis": {"url": server.url}, "backend_capacity_blocks": CONFIGURED},
+            "index": {
+                "store": "redis",
+                "redis": {"url": redis_server.url},
+                "backend_capacity_blocks": CONFIGURED,
+            },
         }
     )
     index = build_index(config, RouterMetrics())
@@ -129,7 +133,7 @@ async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_fo
         chain = list(range(1, 21))
         index.record("a", chain)
         await index.flush()
-        client = server.client()
+        client = redis_server.client()
         assert client.zcard("{kvroute}:blocks:a") == 20
         index.set_capacity("a", 5)
 

@@ -33,10 +33,10 @@ async def chat(http: aiohttp.ClientSession, url: str, user: str) -> tuple[int, s
         return resp.status, resp.headers.get("x-kvroute-reason", "")
 
 
-async def test_redis_losing_its_data_fails_nothing_and_is_refilled(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_redis_losing_its_data_fails_nothing_and_is_refilled(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     assert (await chat(http, router.url, "one"))[0] == 200
-    client = server.client()
+    client = redis_server.client()
 
     async def written() -> bool:
         return any(client.scan_iter("{kvroute}:blocks:*"))
@@ -50,11 +50,11 @@ async def test_redis_losing_its_data_fails_nothing_and_is_refilled(server, fleet
     await wait_released(http, router.url)
 
 
-async def test_slow_redis_delays_no_request_beyond_its_deadline(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_slow_redis_delays_no_request_beyond_its_deadline(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     assert (await chat(http, router.url, "warm"))[0] == 200
     # CLIENT PAUSE: Redis holds every command for a while, as a busy or swapping server would.
-    server.client().execute_command("CLIENT", "PAUSE", 2500, "ALL")
+    redis_server.client().execute_command("CLIENT", "PAUSE", 2500, "ALL")
     results = await asyncio.gather(*(chat(http, router.url, f"during the pause {i}") for i in range(6)))
     assert [s for s, _ in results] == [200] * 6
     # ...all answered on the local view while the router still counts Redis as down: nobody

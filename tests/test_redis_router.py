@@ -38,14 +38,14 @@ async def chat(
         return resp
 
 
-async def test_a_prefix_routed_by_one_replica_is_found_by_another(server, fleet, make_router, http):
-    one = await make_router(backends_of(fleet), index=redis_index(server))
-    two = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_a_prefix_routed_by_one_replica_is_found_by_another(redis_server, fleet, make_router, http):
+    one = await make_router(backends_of(fleet), index=redis_index(redis_server))
+    two = await make_router(backends_of(fleet), index=redis_index(redis_server))
     first = await chat(http, one.url, "turn one")
     backend = first.headers["x-kvroute-backend"]
 
     async def written() -> bool:
-        return server.client().zcard(f"{{kvroute}}:blocks:{backend}") > 0
+        return redis_server.client().zcard(f"{{kvroute}}:blocks:{backend}") > 0
 
     await wait_for(written, what=f"blocks of {backend} written to Redis")
     second = await chat(http, two.url, "turn two")
@@ -59,8 +59,8 @@ async def test_a_prefix_routed_by_one_replica_is_found_by_another(server, fleet,
     assert total(samples, "kvroute_index_blocks") > 0
 
 
-async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_killing_and_restarting_redis_fails_no_request(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     statuses: list[int] = []
     gate = asyncio.Semaphore(6)
 
@@ -71,9 +71,9 @@ async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make
 
     stream = asyncio.gather(*(one(i) for i in range(150)))
     await wait_for(lambda: len(statuses) >= 30, what="30 answers", timeout=30)
-    server.stop()
+    redis_server.stop()
     await wait_for(lambda: len(statuses) >= 80, what="80 answers with Redis stopped", timeout=30)
-    server.start()
+    redis_server.start()
     await stream
     assert statuses == [200] * 150
 
@@ -90,19 +90,19 @@ async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make
     await chat(http, router.url, "after the outage")
 
     async def rewritten() -> bool:
-        return any(server.client().scan_iter("{kvroute}:blocks:*"))
+        return any(redis_server.client().scan_iter("{kvroute}:blocks:*"))
 
     await wait_for(rewritten, what="blocks written to Redis again")
 
 
-async def test_policies_see_in_flight_requests_of_other_replicas(server, make_router, http):
+async def test_policies_see_in_flight_requests_of_other_replicas(redis_server, make_router, http):
     slow = FAST.__class__(decode_step_s=0.02)
     async with SimFleet(2, timing=slow) as fleet:
         backends = backends_of(fleet)
         # Replica one only knows e0, so its long requests all land there.
-        one = await make_router(backends[:1], index=redis_index(server, load_interval_s=0.02))
+        one = await make_router(backends[:1], index=redis_index(redis_server, load_interval_s=0.02))
         two = await make_router(
-            backends, index=redis_index(server, load_interval_s=0.02), routing={"policy": "least_load"}
+            backends, index=redis_index(redis_server, load_interval_s=0.02), routing={"policy": "least_load"}
         )
         long_requests = asyncio.gather(*(chat(http, one.url, f"long {i}", max_tokens=150) for i in range(3)))
 
