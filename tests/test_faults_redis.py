@@ -2,7 +2,8 @@
 request is answered 200 either way, and the router goes back to the shared state afterwards.
 
 Redis down and restarted under load is tests/test_redis_router.py; down and slow at the index
-level is tests/test_redis_index.py. These reuse their private redis-server fixture.
+level is tests/test_index_redis_store.py. Each test here gets a private redis-server from the
+``redis_server`` fixture.
 """
 
 from __future__ import annotations

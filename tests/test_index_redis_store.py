@@ -1,4 +1,4 @@
-"""The Redis prefix index against a real, private redis-server: semantics, bounds, failure."""
+"""router.index.redis_store.RedisIndex against a real, private redis-server: semantics, bounds, failure."""
 
 from __future__ import annotations
 
