@@ -120,19 +120,20 @@ async def test_malformed_json_from_the_engine_passes_through_unchanged(
     await assert_released(http, router.url, engine)
 
 
-async def test_sse_stream_ended_without_done_is_passed_through_as_is(engine, make_router, http):
-    engine.mode = "sse_no_done"
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        pytest.param("sse_no_done", b"".join(SSE_EVENTS), id="sse-ended-without-done-passed-through-as-is"),
+        pytest.param(
+            "byte_by_byte", b"".join(SSE_EVENTS) + b"data: [DONE]\n\n", id="engine-answering-byte-by-byte"
+        ),
+    ],
+)
+async def test_an_odd_stream_reaches_the_client_unchanged(engine, make_router, http, mode, expected):
+    engine.mode = mode
     router = await make_router(backends([engine]))
     status, _, body = await post(http, router.url, stream=True)
-    assert (status, body) == (200, b"".join(SSE_EVENTS))
-    await assert_released(http, router.url, engine)
-
-
-async def test_an_engine_answering_byte_by_byte(engine, make_router, http):
-    engine.mode = "byte_by_byte"
-    router = await make_router(backends([engine]))
-    status, _, body = await post(http, router.url, stream=True)
-    assert (status, body) == (200, b"".join(SSE_EVENTS) + b"data: [DONE]\n\n")
+    assert (status, body) == (200, expected)
     await assert_released(http, router.url, engine)
 
 
