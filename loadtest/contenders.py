@@ -44,6 +44,8 @@ class Contender:
     command: list[str] | None = None
     #: Why it cannot run here (not installed), or None.
     missing: str | None = None
+    #: Extra environment of the process (a baseline checkout's PYTHONPATH).
+    env: dict[str, str] | None = None
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = field(default=None, repr=False)
 
@@ -52,7 +54,10 @@ class Contender:
             return
         self.log = workdir / f"{self.name.replace(' ', '_')}.log"
         with open(self.log, "wb") as log:
-            self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, cwd=workdir)
+            env = {**os.environ, **self.env} if self.env else None
+            self.process = subprocess.Popen(
+                self.command, stdout=log, stderr=subprocess.STDOUT, cwd=workdir, env=env
+            )
 
     def log_tail(self, chars: int = 160) -> str:
         """The last line of the process's output, to say why it failed."""
@@ -106,9 +111,19 @@ def direct(backend_port: int) -> Contender:
 
 
 def kvroute(
-    workdir: Path, backends: list[str], cpus: str | None, workers: int = 1, redis_url: str | None = None
+    workdir: Path,
+    backends: list[str],
+    cpus: str | None,
+    workers: int = 1,
+    redis_url: str | None = None,
+    checkout: Path | None = None,
 ) -> Contender:
-    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``."""
+    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``.
+
+    ``checkout``: run the kvroute of another source tree (an earlier commit checked out with
+    ``git worktree add``) instead of this one, as the contender ``kvroute baseline``, so a
+    change's cost is measured against its parent in the same invocation.
+    """
     port = free_port()
     config = workdir / f"kvroute-{port}.yaml"
     lines = [
@@ -121,13 +136,20 @@ def kvroute(
     lines.append("backends:")
     lines += [f"  - {{name: n{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(backends)]
     config.write_text("\n".join(lines) + "\n")
-    # This interpreter and this checkout, whatever ``kvroute`` the PATH may hold.
-    command = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(config)]
+    # This interpreter and this checkout, whatever ``kvroute`` the PATH may hold. Trees from
+    # before the command moved out of router/ keep it in router/cli.py.
+    module = "kvroute.cli"
+    env = None
     name = "kvroute"
+    if checkout is not None:
+        module = "kvroute.cli" if (checkout / "kvroute" / "cli.py").is_file() else "router.cli"
+        env = {"PYTHONPATH": str(checkout.resolve())}
+        name = "kvroute baseline"
+    command = [sys.executable, "-m", module, "serve", "--config", str(config)]
     if workers > 1:
         command += ["--workers", str(workers)]
         name = f"kvroute x{workers}"
-    return Contender(name, port, pinned(command, cpus))
+    return Contender(name, port, pinned(command, cpus), env=env)
 
 
 def floor(backends: list[str], cpus: str | None) -> Contender:

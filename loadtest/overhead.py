@@ -13,7 +13,10 @@ small SSE chunks) and measures, one contender at a time:
 - ``sglang cache_aware``: SGLang's Rust router (``sglang-router``);
 - ``floor``: aiohttp's server and kvroute's upstream client passing requests through with no
   routing at all (:mod:`loadtest.floor_proxy`): the cost of the stack kvroute is built on,
-  below which nothing inside kvroute's request path can go.
+  below which nothing inside kvroute's request path can go;
+- ``kvroute baseline``, with ``--baseline DIR``: the kvroute of another source tree (e.g.
+  ``git worktree add /tmp/before HEAD~3``), so a change is measured against its parent in
+  the same invocation, on the same noisy machine.
 
 For each: latency at a fixed moderate rate (``--rate``, open loop), non-streaming and
 streaming (time to the first chunk, and to the end), and the added latency over ``direct``;
@@ -295,6 +298,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     )
     chosen = set(args.only.split(",")) if args.only else None
     contenders = [procs.direct(backend_ports[0]), procs.kvroute(workdir, backend_urls, args.proxy_cpu)]
+    if args.baseline:
+        baseline = Path(args.baseline)
+        contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, checkout=baseline))
     redis: RedisServer | None = None
     if args.workers > 1:
         missing = _workers_missing()
@@ -397,6 +403,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--harness-cpu", default="0", help="CPU list for the load generator and backends")
     parser.add_argument(
         "--workers", type=int, default=0, help="also run kvroute serve --workers N (N > 1; Redis index)"
+    )
+    parser.add_argument(
+        "--baseline", default="", help="another kvroute source tree, measured as 'kvroute baseline'"
     )
     parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,floor,nginx,sglang")
     parser.add_argument(

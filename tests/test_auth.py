@@ -13,8 +13,8 @@ from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
 from router.config import ConfigError, config_from_dict
-from tests.conftest import FAST, backends_of, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import FAST, backends_of, wait_released
 
 KEYS = {"team-a": "sk-a-0123456789", "team-b": ["sk-b-0123456789", "sk-b-rotated-012345"]}
 SIM_MODEL = "sim-model"

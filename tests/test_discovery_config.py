@@ -44,16 +44,12 @@ BACKENDS = [{"name": "a", "url": "http://127.0.0.1:1"}]
             {"upstream": {"first_byte_timeout_s": 0}}, "upstream.first_byte_timeout_s", id="first-byte"
         ),
         pytest.param({"engine_metrics": {"interval_s": 3}}, "engine_metrics.stale_after_s", id="stale-bound"),
+        pytest.param({"backends": []}, "backends", id="static-discovery-needs-backends"),
     ],
 )
 def test_invalid_settings_name_their_key(raw, key):
     with pytest.raises(ConfigError, match=rf"^{key}:"):
         config_from_dict({"backends": BACKENDS, **raw})
-
-
-def test_static_discovery_needs_backends():
-    with pytest.raises(ConfigError, match=r"^backends:"):
-        config_from_dict({"backends": []})
 
 
 def test_dynamic_discovery_may_start_without_static_backends():

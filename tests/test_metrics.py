@@ -12,7 +12,7 @@ from router.index.precise import PreciseIndex
 from router.kv_events.metrics import KVEventMetrics
 from router.metrics import RedisMetrics, RouterMetrics
 from router.request_path.beliefs import BeliefMetrics
-from tests.conftest import backends_of, scrape, total
+from tests.helpers import backends_of, scrape, total
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

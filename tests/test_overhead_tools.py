@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import sys
+from pathlib import Path
 
 import pytest
 from aiohttp import web
@@ -18,6 +19,8 @@ from loadtest.httpload import Client, build_request
 from loadtest.null_backend import STREAM_CHUNKS, serve
 from loadtest.overhead import request_bodies, top_functions
 from router.config import load_config
+
+REPO = Path(__file__).resolve().parent.parent
 
 
 @pytest.fixture
@@ -117,10 +120,24 @@ def test_profile_summary_merges_lines_of_a_function():
     assert dict(total) == {"main (app.py)": 100, "handle (app.py)": 100, "parse (req.py)": 40}
 
 
+def test_a_baseline_runs_the_kvroute_of_its_own_tree(tmp_path):
+    before_the_move = tmp_path / "before"
+    (before_the_move / "router").mkdir(parents=True)
+    (before_the_move / "router" / "cli.py").write_text("")
+    old = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None, checkout=before_the_move)
+    assert old.name == "kvroute baseline"
+    assert old.command[1:3] == ["-m", "router.cli"]
+    assert old.env == {"PYTHONPATH": str(before_the_move.resolve())}
+    this_tree = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None, checkout=REPO)
+    assert this_tree.command[1:3] == ["-m", "kvroute.cli"]
+
+
 async def test_overhead_command_runs_end_to_end(tmp_path):
-    """The smallest real run: direct, kvroute and the floor (nginx/SGLang need not be installed here)."""
+    """The smallest real run: direct, kvroute, this tree again as the baseline, and the floor
+    (nginx/SGLang need not be installed here)."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest.overhead", "--only", "kvroute,floor", "--rounds", "1", "--rate", "50",
+        "--baseline", str(REPO),
         "--seconds", "0.2", "--saturation-seconds", "0.2", "--concurrency", "4",
         "--proxy-cpu", "", "--harness-cpu", "", "--report", str(tmp_path),
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
@@ -131,7 +148,8 @@ async def test_overhead_command_runs_end_to_end(tmp_path):
     rows = [
         line.split()[0] for line in text.splitlines() if line.startswith(("direct ", "kvroute ", "floor "))
     ]
-    assert rows == ["direct", "kvroute", "floor"] * 2  # the latency and the saturation tables
+    assert rows == ["direct", "kvroute", "kvroute", "floor"] * 2  # the latency and the saturation tables
+    assert text.count("\nkvroute baseline ") == 2
     report = (tmp_path / "report.md").read_text()
     assert "## Latency (ms)" in report and "| kvroute |" in report
 

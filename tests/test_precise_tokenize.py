@@ -22,7 +22,7 @@ from router.errors import OpenAIError
 from router.index.keys import block_keys
 from router.request_path.settings import TokenizerConfig
 from router.request_path.tokenize import ChunkTokenizer, HFTokenizer, chunk_token_ids, load_tokenizer
-from tests.conftest import FAST, MakeRouter, backends_of
+from tests.helpers import FAST, MakeRouter, backends_of
 
 TEMPLATE = (
     "{{ bos_token }}"

@@ -16,8 +16,8 @@ from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
 from router.http.ratelimit import SWEEP_EVERY, RateLimiter
 from router.http.settings import TenantLimits
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import scrape, total, wait_for, wait_released
 
 #: One request per 100 s, two back to back: the third in a test is always refused.
 SLOW = {"requests_per_s": 0.01, "request_burst": 2}
@@ -110,7 +110,7 @@ async def test_concurrency_cap_is_released_on_every_path(engine, make_router, ht
         return engine.open == 0 and (await post(http, router.url, "a"))[0] == 200
 
     engine.mode = "ok"
-    await eventually(admitted_again)
+    await wait_for(admitted_again, what="tenant a admitted again")
 
     # Path 3: the backend fails before any byte (502 to the client).
     engine.mode, engine.status = "status", 503
@@ -128,7 +128,7 @@ async def test_concurrency_cap_holds_under_a_burst(engine, make_router, http):
     async def all_settled_but_three() -> bool:
         return sum(t.done() for t in tasks) == 7 and engine.open == 3
 
-    await eventually(all_settled_but_three)
+    await wait_for(all_settled_but_three, what="all but three requests settled, three open at the engine")
     assert sorted(t.result()[0] for t in tasks if t.done()) == [429] * 7
     engine.release.set()
     assert [s for s, _, _ in await asyncio.gather(*tasks)].count(200) == 3

@@ -11,8 +11,8 @@ import aiohttp
 import pytest
 
 from router.http.app import RUNTIME
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import scrape, total, wait_for, wait_released
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 
@@ -85,7 +85,7 @@ async def test_a_valid_file_applies_policy_limits_keys_and_backends(engines, dep
     async def second_backend_serves() -> bool:
         return (await complete(http, url, team))[0] == 200 and second.received > 0
 
-    await eventually(second_backend_serves)  # the added backend passes its first health check
+    await wait_for(second_backend_serves, what="the added backend to pass its first health check and serve")
     statuses = [(await complete(http, url, team))[0] for _ in range(4)]
     assert 429 in statuses  # the limit applies (4 back to back, minus those spent above)
     samples = await scrape(http, url)
