@@ -9,7 +9,8 @@ section gets the same strict, well-worded validation without writing any:
   taken and stored as a float), ``str``, ``bool``, ``Literal[...]`` (one of the values),
   ``X | None``, ``list[X]``, ``tuple[X, ...]``, ``dict[K, X]``, and a dataclass, which is parsed
   the same way, recursively (a dataclass field given as null, an empty YAML section, means its
-  defaults);
+  defaults); a field ``X | UnsetType = msgspec.UNSET`` may be left out, which differs
+  from giving null (a tenant's override of one limit, the others inherited);
 * ranges and lengths are declarations, ``Annotated[int, msgspec.Meta(ge=1)]``: ``gt``, ``ge``,
   ``lt``, ``le``, ``min_length``, ``max_length`` and ``pattern`` are checked, and
   ``Meta(extra={"expected": "an http:// URL"})`` words what a value must be;
@@ -22,7 +23,7 @@ Every error of the document is collected, not only the first, each named by its 
 ParamError, one error per line.
 
 Why not ``msgspec.convert``, which reads the same declarations: it stops at the first error,
-and its messages are its own (``Expected `int` >= 1 - at `$.backends[0].capacity_blocks```).
+and its messages are its own ("Expected `int` >= 1 - at `$.backends[0].capacity_blocks`").
 Keeping the declarations in msgspec's vocabulary still pays twice: ``msgspec.json.schema``
 turns the very same types into the config's JSON Schema (``kvroute config schema``), so one
 declaration gives both the validation and the schema, and they cannot disagree.

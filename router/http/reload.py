@@ -10,10 +10,9 @@ What applies live, and why the rest needs a restart:
 
 * live: ``routing`` (policy and its parameters: the policy built once when the file was
   loaded, taken only when the section changed, so stateful policies keep their state
-  otherwise), ``backends`` (with static
-  discovery: added, removed, or replaced when their entry changed), ``upstream`` timeouts
-  and attempts, ``tenancy``, ``limits`` rates and caps, ``auth`` keys, the ``admin`` key,
-  ``log_level``.
+  otherwise), ``backends`` (with static discovery: added, removed, or replaced when their
+  entry changed), ``upstream`` timeouts and attempts, ``tenancy``, ``limits`` rates and
+  caps, ``auth`` keys, the ``admin`` key, ``log_level``.
 * restart: ``listen`` and ``admin.listen`` (sockets), ``index`` (the index and its hashing
   define what every stored belief means), ``discovery``, ``health``, ``engine_metrics``
   (background loops built at start), and ``limits`` body and header sizes (fixed in the
