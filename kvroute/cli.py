@@ -12,6 +12,7 @@ import logging
 import sys
 
 from router.config import ConfigError, load_config
+from router.fleet.settings import ENGINE_KINDS
 from router.http.server import run_event_loop
 
 
@@ -83,6 +84,13 @@ def _demo(args: argparse.Namespace) -> int:
     return run_event_loop(run_demo(conversations=args.conversations, seed=args.seed))
 
 
+def _config_schema(args: argparse.Namespace) -> int:
+    from kvroute.config_schema import config_schema, render
+
+    sys.stdout.write(render(config_schema()))
+    return 0
+
+
 #: ``kvroute bench NAME``: the module whose ``main(argv)`` runs it (loadtest/, imported on use).
 _BENCHMARKS = {
     "overhead": "loadtest.overhead",
@@ -120,7 +128,7 @@ def build_parser() -> argparse.ArgumentParser:
     sim.add_argument("--kv-blocks", type=int, default=0, help="prefix cache capacity per engine, in blocks")
     sim.add_argument(
         "--kv-events",
-        choices=("vllm", "sglang"),
+        choices=ENGINE_KINDS,
         help="also publish KV cache events over ZMQ in this engine's format (for index.mode: events)",
     )
     sim.set_defaults(func=_sim)
@@ -155,6 +163,13 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--conversations", type=int, default=96, help="multi-turn conversations to replay")
     demo.add_argument("--seed", type=int, default=7)
     demo.set_defaults(func=_demo)
+
+    config = commands.add_parser("config", help="the config file: config schema (see --help)")
+    config_commands = config.add_subparsers(dest="config_command", required=True)
+    schema = config_commands.add_parser(
+        "schema", help="print the config's JSON Schema (for editors and validators; docs/config.schema.json)"
+    )
+    schema.set_defaults(func=_config_schema)
 
     bench = commands.add_parser("bench", help="benchmarks: bench overhead | bench report (each has --help)")
     bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="overhead | report | routing")

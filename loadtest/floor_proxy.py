@@ -17,7 +17,7 @@ import sys
 import uvloop
 from aiohttp import web
 
-from router.config import UpstreamConfig
+from router.request_path.settings import UpstreamConfig
 from router.request_path.upstream import UpstreamPool
 
 _HOP_BY_HOP = frozenset({"connection", "keep-alive", "transfer-encoding", "content-length", "host"})

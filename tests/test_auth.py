@@ -13,8 +13,8 @@ from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
 from router.config import ConfigError, config_from_dict
-from tests.conftest import FAST, backends_of, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import FAST, backends_of, wait_released
 
 KEYS = {"team-a": "sk-a-0123456789", "team-b": ["sk-b-0123456789", "sk-b-rotated-012345"]}
 SIM_MODEL = "sim-model"
@@ -130,7 +130,7 @@ async def test_keys_from_a_file_and_a_kubernetes_secret_mount(tmp_path, engine, 
     [
         ({"keys": {"a": "same-key-012345", "b": "same-key-012345"}}, "two tenants"),
         ({"keys": {"a": ""}}, "tenant 'a'"),
-        ({"keys": {"a": 42}}, "tenant 'a'"),
+        ({"keys": {"a": 42}}, "auth.keys.a: expected a key or a list of keys"),
         ({"keys_dir": "/nonexistent/kvroute-keys"}, "auth.keys_dir: cannot read"),
         ({"keys_file": "/nonexistent/keys.yaml"}, "auth.keys_file: cannot read"),
     ],

@@ -2,17 +2,19 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import socket
 import subprocess
 import sys
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+
+from tests.helpers import wait_for_sync
 
 KVROUTE = [sys.executable, "-m", "kvroute.cli"]
 
@@ -40,16 +42,16 @@ def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
         return exc.code, exc.read()
 
 
-def wait_until_up(url: str, deadline_s: float = 15.0) -> None:
-    deadline = time.monotonic() + deadline_s
-    while time.monotonic() < deadline:
+def wait_until_up(url: str) -> None:
+    """Wait (up to 15 s: a process is starting) until ``url`` answers 200."""
+
+    def up() -> bool:
         try:
-            if get(url)[0] == 200:
-                return
+            return get(url)[0] == 200
         except OSError:
-            pass
-        time.sleep(0.05)
-    raise AssertionError(f"{url} did not come up")
+            return False
+
+    wait_for_sync(up, what=f"{url} to answer 200", timeout=15.0, interval=0.05)
 
 
 @pytest.fixture
@@ -134,14 +136,13 @@ def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
     subscriber.setsockopt(zmq.SUBSCRIBE, b"")
     subscriber.connect(endpoint.replace("*", "127.0.0.1"))
     try:
-        stored = []
-        deadline = time.monotonic() + 10
-        attempt = 0
-        while not stored and time.monotonic() < deadline:
+        stored: list[BlockStored] = []
+        attempts = itertools.count(1)
+
+        def a_batch_arrived() -> bool:
             # A new prompt until a batch arrives: a SUB socket misses what is published before it
             # joined, and a prompt already cached stores nothing new.
-            attempt += 1
-            body = {"model": "sim-model", "prompt": f"prompt {attempt} " * 50, "max_tokens": 1}
+            body = {"model": "sim-model", "prompt": f"prompt {next(attempts)} " * 50, "max_tokens": 1}
             request = urllib.request.Request(
                 f"{engine}/v1/completions",
                 data=json.dumps(body).encode(),
@@ -151,7 +152,12 @@ def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
                 resp.read()
             if subscriber.poll(500):
                 _, payload = parse_live(subscriber.recv_multipart())
-                stored = [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+                stored[:] = [e for e in decode_batch(payload).events if isinstance(e, BlockStored)]
+            return bool(stored)
+
+        wait_for_sync(
+            a_batch_arrived, what="a batch of stored blocks on the engine's endpoint", timeout=10, interval=0
+        )
         assert stored and stored[0].token_ids
     finally:
         subscriber.close(linger=0)

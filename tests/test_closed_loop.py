@@ -15,7 +15,7 @@ from router.config import ConfigError, config_from_dict
 from router.index import MemoryIndex
 from router.request_path.beliefs import ClosedLoop
 from router.request_path.usage import UsageTap, cached_tokens, request_usage
-from tests.conftest import FAST, backends_of, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total
 
 MODEL = "sim-model"
 

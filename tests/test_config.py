@@ -162,7 +162,7 @@ def _delete(path: str) -> Callable[[dict], None]:
         pytest.param(_set("backends.1.name", "a"), "backends", id="duplicate-names"),
         pytest.param(_set("backends.0.engine", "tgi"), "backends[0].engine", id="bad-engine"),
         pytest.param(_set("backends.0.models", "llama"), "backends[0].models", id="models-not-list"),
-        pytest.param(_set("backends.0.models", [""]), "backends[0].models", id="models-empty-name"),
+        pytest.param(_set("backends.0.models", [""]), "backends[0].models[0]", id="models-empty-name"),
         pytest.param(_set("backends.0.capacity_blocks", 0), "backends[0].capacity_blocks", id="capacity-0"),
         pytest.param(_set("backends.0.weight", 2), "backends[0].weight", id="backend-unknown-key"),
         pytest.param(_set("backends.1", "http://b:8000"), "backends[1]", id="backend-not-mapping"),
@@ -246,25 +246,20 @@ def test_missing_file(tmp_path: Path) -> None:
     assert str(path) in str(info.value)
 
 
-@pytest.mark.parametrize("text", ["backends: [1, 2\n", "listen:\n  port: 1\n bad-indent: 2\n", "a: b: c\n"])
-def test_invalid_yaml(tmp_path: Path, text: str) -> None:
-    path = tmp_path / "bad.yaml"
+@pytest.mark.parametrize(
+    ("text", "error"),
+    [
+        pytest.param("backends: [1, 2\n", "not valid YAML", id="invalid-yaml-unclosed-list"),
+        pytest.param("listen:\n  port: 1\n bad-indent: 2\n", "not valid YAML", id="invalid-yaml-indent"),
+        pytest.param("a: b: c\n", "not valid YAML", id="invalid-yaml-nested-colon"),
+        pytest.param("", r"^backends", id="empty-file-fails-on-the-missing-backends"),
+        pytest.param("- a\n- b\n", "top level", id="a-yaml-list-at-the-top-level"),
+    ],
+)
+def test_a_file_that_is_no_config_mapping_says_why(tmp_path: Path, text: str, error: str) -> None:
+    path = tmp_path / "kvroute.yaml"
     path.write_text(text)
-    with pytest.raises(ConfigError, match="not valid YAML"):
-        load_config(path)
-
-
-def test_an_empty_file_fails_on_the_missing_backends(tmp_path: Path) -> None:
-    path = tmp_path / "empty.yaml"
-    path.write_text("")
-    with pytest.raises(ConfigError, match=r"^backends"):
-        load_config(path)
-
-
-def test_a_yaml_list_at_the_top_level(tmp_path: Path) -> None:
-    path = tmp_path / "list.yaml"
-    path.write_text("- a\n- b\n")
-    with pytest.raises(ConfigError, match="top level"):
+    with pytest.raises(ConfigError, match=error):
         load_config(path)
 
 
@@ -276,8 +271,159 @@ def test_a_file_error_names_the_key(tmp_path: Path) -> None:
 
 
 def test_the_example_file_loads() -> None:
-    example = REPO_ROOT / "config.example.yaml"
-    if not example.exists():
-        pytest.skip(f"{example} does not exist yet")
-    config = load_config(example)
+    config = load_config(REPO_ROOT / "config.example.yaml")
     assert len(config.backends) >= 1
+
+
+# --- every mistake, by its path ---------------------------------------------------------------
+
+SEVERAL_MISTAKES = """\
+listen: {port: 70000}
+backends:
+  - {name: a, url: "http://a:8000"}
+  - {name: b, url: "ftp://x", engine: tgi}
+routing: {policy: prefix_aware, params: {min_match_ratio: 2}}
+index:
+  redis: {timeout_ms: -1, sentinels: [nope]}
+  closed_loop_tolerance: 0
+limits: {tenants: {gold: {max_concurrent: 0}}}
+admin: {listen: {port: -1}}
+logging: debug
+"""
+
+
+def test_every_mistake_of_a_file_is_reported_each_by_its_path(tmp_path: Path) -> None:
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(SEVERAL_MISTAKES)
+    with pytest.raises(ConfigError) as info:
+        load_config(path)
+    assert info.value.errors == [
+        "logging: unknown key; expected one of ['admin', 'auth', 'backends', 'discovery', 'engine_metrics',"
+        " 'health', 'index', 'limits', 'listen', 'log_level', 'routing', 'tenancy', 'upstream']",
+        "listen.port: expected an integer in [0, 65535], got 70000",
+        "backends[1].url: expected an http:// or https:// URL, got 'ftp://x'",
+        "backends[1].engine: expected one of ['vllm', 'sglang'], got 'tgi'",
+        "index.redis.sentinels[0]: expected a host:port entry, got 'nope'",
+        "index.redis.timeout_ms: expected a number > 0, got -1",
+        "index.closed_loop_tolerance: expected a number in (0, 1], got 0",
+        "limits.tenants.gold.max_concurrent: expected an integer >= 1, got 0",
+        "admin.listen.port: expected an integer in [0, 65535], got -1",
+        "routing.params.min_match_ratio: expected a number in [0, 1], got 2",
+    ]
+    assert str(info.value) == "\n".join(info.value.errors)
+
+
+def test_rules_across_keys_are_reported_with_the_rest() -> None:
+    raw = {
+        **minimal(),
+        "admin": {"key": "k-0123456789", "key_env": "KVROUTE_UNSET_VARIABLE"},
+        "health": {"eject_s": 30, "max_eject_s": 10},
+        "upstream": {"max_attempts": 0},
+    }
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert info.value.errors == [
+        "upstream.max_attempts: expected an integer >= 1, got 0",
+        "health.max_eject_s: expected at least eject_s",
+        "admin.key: give at most one of key, key_env, key_file",
+    ]
+
+
+@pytest.mark.parametrize(
+    ("section", "value", "message"),
+    [
+        ("index", {"redis": {"trip_after": 0}}, "index.redis.trip_after:"),
+        ("index", {"redis": {"url": "http://r"}}, "index.redis.url: expected a redis://"),
+        ("index", {"events": {"block_size": 0}}, "index.events.block_size:"),
+        (
+            "index",
+            {"events": {"medium_weights": {"ssd": 1}}},
+            "index.events.medium_weights.ssd: unknown key; expected one of ['gpu', 'cpu', 'disk']",
+        ),
+        ("index", {"tokenizer": {"kind": "sentencepiece"}}, "index.tokenizer.kind:"),
+        ("discovery", {"dns": {"nameserver_port": 0}}, "discovery.dns.nameserver_port:"),
+        ("discovery", {"kubernetes": {"retry_s": 0}}, "discovery.kubernetes.retry_s:"),
+        ("admin", {"listen": {"port": "x"}}, "admin.listen.port:"),
+        ("limits", {"tenant_default": {"rps": 1}}, "limits.tenant_default.rps:"),
+        ("limits", {"tenants": {"t": {"request_burst": 0}}}, "limits.tenants.t.request_burst:"),
+        ("routing", {"params": {"balance_abs_threshold": -1}}, "routing.params.balance_abs_threshold:"),
+    ],
+)
+def test_nested_sections_are_typed_and_name_their_keys(section: str, value: Any, message: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        config_from_dict({**minimal(), section: value})
+    assert str(info.value).startswith(message), str(info.value)
+
+
+def test_backend_kv_events_are_typed_and_name_their_keys() -> None:
+    raw = minimal()
+    raw["backends"][0]["kv_events"] = {"endpoint": "http://e:5557", "dp_size": 0}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert info.value.errors == [
+        "backends[0].kv_events.endpoint: expected a tcp:// or ipc:// ZMQ endpoint, got 'http://e:5557'",
+        "backends[0].kv_events.dp_size: expected an integer >= 1, got 0",
+    ]
+    raw["backends"][0]["kv_events"] = {"endpoint": "tcp://e:5557"}
+    assert config_from_dict(raw).backends[0].kv_events.endpoint == "tcp://e:5557"  # type: ignore[union-attr]
+
+
+@pytest.mark.parametrize(
+    ("path", "refused", "accepted", "expected"),
+    [
+        ("listen.port", 65536, 65535, "an integer in [0, 65535]"),
+        ("listen.port", -1, 0, "an integer in [0, 65535]"),
+        ("listen.drain_timeout_s", -0.5, 0, "a number >= 0"),
+        ("index.redis.timeout_ms", 0, 0.5, "a number > 0"),
+        ("index.closed_loop_tolerance", 0, 1, "a number in (0, 1]"),
+        ("index.closed_loop_tolerance", 1.01, 0.01, "a number in (0, 1]"),
+        ("index.events.medium_weights.cpu", 1.5, 1, "a number in [0, 1]"),
+        ("index.tokenizer.chars_per_token", 0, 1, "an integer >= 1"),
+        ("upstream.max_attempts", 0, 1, "an integer >= 1"),
+        ("limits.max_headers", 0, 1, "an integer >= 1"),
+        ("discovery.dns.port", 65536, 1, "an integer in [1, 65535]"),
+        ("engine_metrics.interval_s", -1, 1, "a number > 0"),
+        ("routing.params.min_match_ratio", -0.1, 0, "a number in [0, 1]"),
+    ],
+)
+def test_declared_ranges_refuse_what_is_outside_and_take_their_bounds(
+    path: str, refused: Any, accepted: Any, expected: str
+) -> None:
+    raw = copy.deepcopy(minimal())
+    _set(path, refused)(raw)
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert info.value.errors == [f"{path}: expected {expected}, got {refused!r}"]
+    _set(path, accepted)(raw)
+    config_from_dict(raw)
+
+
+def test_a_secret_is_never_shown_in_an_error() -> None:
+    raw = {**minimal(), "admin": {"key": 1234567890}, "auth": {"keys": {"team": 987654321}}}
+    with pytest.raises(ConfigError) as info:
+        config_from_dict(raw)
+    assert info.value.errors == [
+        "auth.keys.team: expected a key or a list of keys",
+        "admin.key: expected a non-empty string or null",
+    ]
+
+
+def test_a_section_only_one_mode_uses_is_checked_for_keys_but_needs_nothing_in_the_others() -> None:
+    unused = {
+        "index": {"tokenizer": {"kind": "hf", "path": "/nonexistent/tokenizer.json"}},
+        "discovery": {"kind": "static", "dns": {"name": ""}, "kubernetes": {"label_selector": ""}},
+    }
+    config = config_from_dict({**minimal(), **unused})
+    assert config.index.tokenizer.path == "/nonexistent/tokenizer.json"
+    with pytest.raises(ConfigError, match=r"^discovery\.dns\.bogus: unknown key"):
+        config_from_dict({**minimal(), "discovery": {"dns": {"bogus": 1}}})
+
+
+def test_tenant_overrides_keep_the_default_for_keys_left_out_and_null_for_unlimited() -> None:
+    limits = {
+        "tenant_default": {"requests_per_s": 5, "max_concurrent": 8},
+        "tenants": {"gold": {"max_concurrent": 64}, "batch": {"requests_per_s": None}},
+    }
+    tenants = config_from_dict({**minimal(), "limits": limits}).limits.tenant_limits()
+    assert (tenants["gold"].requests_per_s, tenants["gold"].max_concurrent) == (5.0, 64)
+    assert (tenants["batch"].requests_per_s, tenants["batch"].max_concurrent) == (None, 8)

@@ -14,7 +14,6 @@ expressions is checked for syntax only, by the same query.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import re
 import time
@@ -26,7 +25,7 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from router.http.server import RouterServer
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.prometheus_server import PrometheusError, PrometheusServer
 from tests.redis_servers import RedisServer, redis_server
 
@@ -170,24 +169,31 @@ async def test_every_panel_query_parses_and_returns_data(make_router, http):
                 samples = await scrape(http, precise.url)
                 return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") == len(fleet.urls)
 
-            await eventually(subscribed)
+            await wait_for(subscribed, what="the precise router to subscribe to every engine")
             jobs = {
                 "kvroute": [shared.url.removeprefix("http://"), precise.url.removeprefix("http://")],
                 "engines": [url.removeprefix("http://") for url in fleet.urls],
             }
             async with PrometheusServer(jobs) as prometheus:
-                await eventually(prometheus.targets_up, timeout=20)
+                await wait_for(prometheus.targets_up, what="every Prometheus target up", timeout=20)
                 await _serve_load(http, shared, precise, fleet, doomed, redis)
 
                 # Series the load created need two scrapes before rate() has a value, and
                 # background loops (engine scrapes, Redis writes) record a little after the
                 # load: poll, as a dashboard refreshes, until every panel has data.
-                empty = await _panels_without_data(prometheus)
-                deadline = time.monotonic() + SETTLE_S
-                while empty and time.monotonic() < deadline:
-                    await asyncio.sleep(0.5)
-                    empty = await _panels_without_data(prometheus)
-                assert not empty, "panels without data:\n" + "\n".join(empty)
+                empty: list[str] = []
+
+                async def every_panel_has_data() -> bool:
+                    empty[:] = await _panels_without_data(prometheus)
+                    return not empty
+
+                await wait_for(
+                    every_panel_has_data,
+                    what="data in every panel",
+                    timeout=SETTLE_S,
+                    interval=0.5,
+                    detail=lambda: "panels without data:\n" + "\n".join(empty),
+                )
 
 
 async def _panels_without_data(prometheus: PrometheusServer) -> list[str]:

@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import eventually, scrape, total
 from tests.dns_server import DnsServer
+from tests.helpers import scrape, total, wait_for
 
 NAME = "engines.kvroute.test."
 PROMPT = "A long shared system prompt for discovery tests. " * 30
@@ -58,7 +58,7 @@ async def test_backends_follow_the_a_records(dns_server, shared_port_engines, ma
     assert blocks_on_a > 0
 
     dns_server.records[NAME] = ["127.0.0.2", "127.0.0.3"]
-    await eventually(lambda: _equals(names(http, router), {a, b}))
+    await wait_for(lambda: _equals(names(http, router), {a, b}), what="both resolved engines in the pool")
 
     # a leaves while streaming: the stream finishes; a's believed cache entries leave with
     # it, and traffic goes to b.
@@ -67,7 +67,9 @@ async def test_backends_follow_the_a_records(dns_server, shared_port_engines, ma
         assert resp.headers["x-kvroute-backend"] == a
         await resp.content.readany()
         dns_server.records[NAME] = ["127.0.0.3"]
-        await eventually(lambda: _equals(names(http, router), {b}))
+        await wait_for(
+            lambda: _equals(names(http, router), {b}), what="only the engine still resolved in the pool"
+        )
         assert (await resp.content.read()).endswith(b"data: [DONE]\n\n")
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_index_blocks") == 0
@@ -78,7 +80,9 @@ async def test_backends_follow_the_a_records(dns_server, shared_port_engines, ma
     # A failing resolver changes nothing: the fleet is kept as last resolved.
     dns_server.failing = True
     failed_from = dns_server.queries
-    await eventually(lambda: _true(dns_server.queries >= failed_from + 3))
+    await wait_for(
+        lambda: dns_server.queries >= failed_from + 3, what="three queries to the failing DNS server"
+    )
     assert await names(http, router) == {b}
     assert await complete(http, router) == (200, b)
 
@@ -93,14 +97,10 @@ async def test_a_name_without_records_empties_the_fleet(dns_server, shared_port_
     router = await make_router([], discovery={**discovery, "dns": {**discovery["dns"], "interval_s": 0.05}})
     assert len(await names(http, router)) == 2
     del dns_server.records[NAME]  # NXDOMAIN: a headless Service with no ready pod
-    await eventually(lambda: _equals(names(http, router), set()))
+    await wait_for(lambda: _equals(names(http, router), set()), what="an empty pool after NXDOMAIN")
     async with http.get(f"{router.url}/ready") as resp:
         assert resp.status == 503
 
 
 async def _equals(value, expected) -> bool:
     return await value == expected
-
-
-async def _true(value: bool) -> bool:
-    return value

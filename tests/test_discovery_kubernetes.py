@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.conftest import eventually, scrape, total
+from tests.helpers import scrape, total, wait_for
 from tests.k8s_api import FakeKubeApi, endpoint_slice, pod_endpoint
 
 PROMPT = "A long shared system prompt for discovery tests. " * 30
@@ -75,7 +75,10 @@ async def test_endpoint_slices_are_listed_watched_and_relisted(
     )
     api.slices = [both_ready]
     await api.watches.put([{"type": "MODIFIED", "object": both_ready}])
-    await eventually(lambda: _equals(states(http, router), {"pod-a": "closed", "pod-b": "closed"}))
+    await wait_for(
+        lambda: _equals(states(http, router), {"pod-a": "closed", "pod-b": "closed"}),
+        what="pod-a and pod-b both routable",
+    )
     assert api.lists == lists
 
     # What changes while the watch is down is seen by the re-list after it: pod-a is terminating
@@ -92,7 +95,10 @@ async def test_endpoint_slices_are_listed_watched_and_relisted(
         )
     ]
     await api.watches.put(None)
-    await eventually(lambda: _equals(states(http, router), {"pod-a": "terminating", "pod-b": "closed"}))
+    await wait_for(
+        lambda: _equals(states(http, router), {"pod-a": "terminating", "pod-b": "closed"}),
+        what="the re-list to show pod-a terminating",
+    )
     assert api.lists == lists + 1
     assert {(await complete(http, router))[1] for _ in range(4)} == {"pod-b"}
 
@@ -100,7 +106,10 @@ async def test_endpoint_slices_are_listed_watched_and_relisted(
     api.slices = [endpoint_slice("vllm-x1", port, [pod_endpoint("pod-b", "127.0.0.3", ready=True)], "1004")]
     gone = {"kind": "Status", "apiVersion": "v1", "status": "Failure", "reason": "Expired", "code": 410}
     await api.watches.put([{"type": "ERROR", "object": gone}])
-    await eventually(lambda: _equals(states(http, router), {"pod-b": "closed"}))
+    await wait_for(
+        lambda: _equals(states(http, router), {"pod-b": "closed"}),
+        what="the re-list after 410 Gone: pod-b only",
+    )
     assert api.lists == lists + 2
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_index_blocks") > 0  # pod-b's, from the requests above
@@ -108,7 +117,7 @@ async def test_endpoint_slices_are_listed_watched_and_relisted(
 
     # The slice is deleted (a watch event; a list would still show it): no backend left.
     await api.watches.put([{"type": "DELETED", "object": api.slices[0]}])
-    await eventually(lambda: _equals(states(http, router), {}))
+    await wait_for(lambda: _equals(states(http, router), {}), what="no backend after the slice is deleted")
     assert api.lists == lists + 2
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_index_blocks") == 0

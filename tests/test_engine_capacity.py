@@ -26,8 +26,9 @@ from router.index import MemoryIndex
 from router.index.build import build_index
 from router.index.precise import PreciseIndex
 from router.index.redis_store import RedisIndex
+from router.kv_events.settings import EventsConfig
 from router.metrics import RouterMetrics
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.redis_servers import RedisServer, redis_server
 
 #: The simulated engines' cache: 48 blocks of 16 tokens = 768 tokens = 3072 characters.
@@ -55,7 +56,7 @@ def test_engine_tokens_become_index_blocks_of_characters_or_event_blocks():
     assert approximate.blocks(768) == LEARNED
     assert approximate.blocks(31) == 1  # rounded down, never zero
     events = CapacitySizer(
-        PreciseIndex(16, {}, 2.0, 1000), IndexConfig(mode="events", events={"block_size": 16})
+        PreciseIndex(16, {}, 2.0, 1000), IndexConfig(mode="events", events=EventsConfig(block_size=16))
     )
     assert events.blocks(768) == 48
 
@@ -115,11 +116,15 @@ def test_the_precise_index_records_a_capacity_but_never_evicts_for_it():
     assert index.match_now(list(range(1, 21)), ["a"]) == {"a": 20}
 
 
-async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_for_a_write(server):
+async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_for_a_write(redis_server):
     config = config_from_dict(
         {
             "backends": [{"name": "a", "url": "http://127.0.0.1:1"}],
-            "index": {"store": "redis", "redis": {"url": server.url}, "backend_capacity_blocks": CONFIGURED},
+            "index": {
+                "store": "redis",
+                "redis": {"url": redis_server.url},
+                "backend_capacity_blocks": CONFIGURED,
+            },
         }
     )
     index = build_index(config, RouterMetrics())
@@ -129,14 +134,14 @@ async def test_shrinking_the_redis_index_trims_the_shared_set_without_waiting_fo
         chain = list(range(1, 21))
         index.record("a", chain)
         await index.flush()
-        client = server.client()
+        client = redis_server.client()
         assert client.zcard("{kvroute}:blocks:a") == 20
         index.set_capacity("a", 5)
 
         async def trimmed() -> bool:
             return client.zcard("{kvroute}:blocks:a") == 5
 
-        await eventually(trimmed)
+        await wait_for(trimmed, what="backend a's Redis blocks trimmed to 5")
         # A chain's first blocks are the most valuable (every longer prompt shares them).
         assert await index.match(chain, ["a"]) == {"a": 5}
         assert index.capacity_of("a") == 5 and index.local.blocks_of("a") == 5
@@ -167,7 +172,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
                 b["name"]: b["index_capacity_blocks"] for b in await admin_backends(http, router.url)
             } == expected
 
-        await eventually(learned)
+        await wait_for(learned, what="index capacities learned from the engines")
         # 45 distinct prompts of 15 blocks each, spread by load: ~225 blocks offered to each backend.
         gate = asyncio.Semaphore(3)
 
@@ -188,7 +193,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
             assert all(now[name] <= cap for name, cap in expected.items()), now
             return now == expected
 
-        await eventually(full)
+        await wait_for(full, what="every backend's believed cache full to its capacity")
         samples = await scrape(http, router.url)
         for name, cap in expected.items():
             assert total(samples, "kvroute_index_backend_capacity_blocks", backend=name) == cap

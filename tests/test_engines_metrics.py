@@ -14,8 +14,8 @@ from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
 from router.fleet.engines import ADAPTERS, EngineStats
-from tests.conftest import FAST, backends_of, eventually, scrape, total
 from tests.fault_engine import MODEL, backends, start_engines
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 
 FIXTURES = Path(__file__).parent / "engine_metrics"
 
@@ -24,33 +24,47 @@ def parse(engine: str, fixture: str) -> EngineStats:
     return ADAPTERS[engine].parse((FIXTURES / fixture).read_text())
 
 
-def test_vllm_current_sums_data_parallel_engines():
-    stats = parse("vllm", "vllm_0.33.0_dp2.txt")
-    # Queues add up over engines; waiting_by_reason (a longer name) is not mistaken for waiting.
-    assert (stats.waiting, stats.running) == (3, 12)
-    assert stats.kv_usage == pytest.approx(0.375)
-    assert stats.block_tokens == 16
-    assert stats.capacity_tokens == (27000 + 26000) * 16
-
-
-def test_vllm_before_0_12_reads_gpu_cache_usage_and_unprofiled_geometry():
-    stats = parse("vllm", "vllm_0.9.2.txt")
-    assert (stats.waiting, stats.running, stats.kv_usage) == (9, 4, 0.875)
-    # num_gpu_blocks="None": the engine has not profiled memory yet; no capacity is made up.
-    assert (stats.block_tokens, stats.capacity_tokens) == (16, None)
-
-
-def test_sglang_current_counts_each_dp_rank_once_across_tp_ranks():
-    stats = parse("sglang", "sglang_0.5.23_dp2.txt")
-    assert (stats.waiting, stats.running) == (3, 22)
-    assert stats.kv_usage == pytest.approx(0.4)
-    assert (stats.capacity_tokens, stats.block_tokens) == (400000, 64)
-
-
-def test_sglang_0_4_derives_capacity_from_used_tokens_and_usage():
-    stats = parse("sglang", "sglang_0.4.7.txt")
-    assert (stats.waiting, stats.running, stats.kv_usage) == (4, 6, 0.25)
-    assert (stats.capacity_tokens, stats.block_tokens) == (400000, None)
+@pytest.mark.parametrize(
+    ("engine", "fixture", "expected"),
+    [
+        # Queues add up over engines; waiting_by_reason (a longer name) is not mistaken for waiting.
+        pytest.param(
+            "vllm",
+            "vllm_0.33.0_dp2.txt",
+            (3, 12, pytest.approx(0.375), 16, (27000 + 26000) * 16),
+            id="vllm-current-sums-data-parallel-engines",
+        ),
+        # num_gpu_blocks="None": the engine has not profiled memory yet; no capacity is made up.
+        pytest.param(
+            "vllm",
+            "vllm_0.9.2.txt",
+            (9, 4, 0.875, 16, None),
+            id="vllm-before-0.12-reads-gpu-cache-usage-and-unprofiled-geometry",
+        ),
+        pytest.param(
+            "sglang",
+            "sglang_0.5.23_dp2.txt",
+            (3, 22, pytest.approx(0.4), 64, 400000),
+            id="sglang-current-counts-each-dp-rank-once-across-tp-ranks",
+        ),
+        pytest.param(
+            "sglang",
+            "sglang_0.4.7.txt",
+            (4, 6, 0.25, None, 400000),
+            id="sglang-0.4-derives-capacity-from-used-tokens-and-usage",
+        ),
+    ],
+)
+def test_an_engines_metrics_text_gives_its_load_and_kv_geometry(engine: str, fixture: str, expected: tuple):
+    """(waiting, running, kv_usage, block_tokens, capacity_tokens) read from a real engine's text."""
+    stats = parse(engine, fixture)
+    assert (
+        stats.waiting,
+        stats.running,
+        stats.kv_usage,
+        stats.block_tokens,
+        stats.capacity_tokens,
+    ) == expected
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
@@ -110,7 +124,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         async def stale() -> bool:
             return (await backend())["engine_waiting"] is None
 
-        await eventually(stale)
+        await wait_for(stale, what="the engine's waiting count to go stale")
         samples = await scrape(http, router.url)
         assert not any(name == "kvroute_backend_engine_running" for name, _ in samples)
         assert total(samples, "kvroute_backend_scrape_errors_total", backend="sg") >= 1

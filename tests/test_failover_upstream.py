@@ -10,8 +10,8 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from tests.conftest import backends_of, eventually, scrape, total
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import backends_of, scrape, total, wait_for
 
 ROUND_ROBIN = {"policy": "round_robin"}
 
@@ -27,7 +27,7 @@ async def assert_released(http: aiohttp.ClientSession, router, engines: list[Fau
         samples = await scrape(http, router.url)
         return total(samples, "kvroute_backend_in_flight") == 0 and all(e.open == 0 for e in engines)
 
-    await eventually(released)
+    await wait_for(released, what="no request in flight in the router or at any engine")
 
 
 @pytest.mark.parametrize("stream", [True, False])
@@ -172,4 +172,4 @@ async def test_simulated_engine_killed_mid_stream_then_routed_around(make_router
                 states = {b["name"]: b["state"] for b in (await resp.json())["backends"]}
             return states == {"e0": "unhealthy", "e1": "closed"}
 
-        await eventually(e0_out)
+        await wait_for(e0_out, what="e0 unhealthy and e1 closed")

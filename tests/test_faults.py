@@ -17,8 +17,8 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import scrape, total, wait_for, wait_released
 
 #: The fast stream a slow client reads: far more than any socket buffer on the way can hold.
 FIREHOSE_CHUNK = 64 * 1024
@@ -84,7 +84,7 @@ async def assert_released(http: aiohttp.ClientSession, url: str, engine: FaultEn
     async def upstream_closed() -> bool:
         return engine.open == 0
 
-    await eventually(upstream_closed)
+    await wait_for(upstream_closed, what="the engine to see its connection closed")
 
 
 async def post(http: aiohttp.ClientSession, url: str, stream: bool = False, **headers: str):
@@ -120,19 +120,20 @@ async def test_malformed_json_from_the_engine_passes_through_unchanged(
     await assert_released(http, router.url, engine)
 
 
-async def test_sse_stream_ended_without_done_is_passed_through_as_is(engine, make_router, http):
-    engine.mode = "sse_no_done"
+@pytest.mark.parametrize(
+    ("mode", "expected"),
+    [
+        pytest.param("sse_no_done", b"".join(SSE_EVENTS), id="sse-ended-without-done-passed-through-as-is"),
+        pytest.param(
+            "byte_by_byte", b"".join(SSE_EVENTS) + b"data: [DONE]\n\n", id="engine-answering-byte-by-byte"
+        ),
+    ],
+)
+async def test_an_odd_stream_reaches_the_client_unchanged(engine, make_router, http, mode, expected):
+    engine.mode = mode
     router = await make_router(backends([engine]))
     status, _, body = await post(http, router.url, stream=True)
-    assert (status, body) == (200, b"".join(SSE_EVENTS))
-    await assert_released(http, router.url, engine)
-
-
-async def test_an_engine_answering_byte_by_byte(engine, make_router, http):
-    engine.mode = "byte_by_byte"
-    router = await make_router(backends([engine]))
-    status, _, body = await post(http, router.url, stream=True)
-    assert (status, body) == (200, b"".join(SSE_EVENTS) + b"data: [DONE]\n\n")
+    assert (status, body) == (200, expected)
     await assert_released(http, router.url, engine)
 
 
@@ -165,7 +166,9 @@ async def test_a_slow_client_holds_back_the_engine_instead_of_filling_the_router
             await asyncio.sleep(0.2)
             return sent == engine.sent and engine.sent > 0
 
-        await eventually(engine_blocked, timeout=15)
+        await wait_for(
+            engine_blocked, what="the engine to stop sending (blocked by the slow client)", timeout=15
+        )
         assert engine.sent < total_bytes // 2, engine.sent
         head_and_start = b""
         while b"\r\n\r\n" not in head_and_start:
@@ -214,7 +217,7 @@ async def test_an_engine_restarted_on_the_same_port_is_used_again(engine, make_r
     async def serving_again() -> bool:
         return (await post(http, router.url))[0] == 200
 
-    await eventually(serving_again)
+    await wait_for(serving_again, what="the router to serve again")
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_requests_total", status="200") >= 2
     await assert_released(http, router.url, engine)

@@ -2,7 +2,8 @@
 request is answered 200 either way, and the router goes back to the shared state afterwards.
 
 Redis down and restarted under load is tests/test_redis_router.py; down and slow at the index
-level is tests/test_redis_index.py. These reuse their private redis-server fixture.
+level is tests/test_index_redis_store.py. Each test here gets a private redis-server from the
+``redis_server`` fixture.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ import asyncio
 
 import aiohttp
 
-from tests.conftest import backends_of, eventually, scrape, total, wait_released
+from tests.helpers import backends_of, scrape, total, wait_for, wait_released
 from tests.redis_servers import RedisServer
 
 MODEL = "sim-model"
@@ -33,28 +34,28 @@ async def chat(http: aiohttp.ClientSession, url: str, user: str) -> tuple[int, s
         return resp.status, resp.headers.get("x-kvroute-reason", "")
 
 
-async def test_redis_losing_its_data_fails_nothing_and_is_refilled(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_redis_losing_its_data_fails_nothing_and_is_refilled(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     assert (await chat(http, router.url, "one"))[0] == 200
-    client = server.client()
+    client = redis_server.client()
 
     async def written() -> bool:
         return any(client.scan_iter("{kvroute}:blocks:*"))
 
-    await eventually(written)
+    await wait_for(written, what="blocks written to Redis")
     client.flushall()  # an eviction storm, a FLUSHALL, a failover to an empty replica
     statuses = [await chat(http, router.url, f"after the flush {i}") for i in range(5)]
     assert [s for s, _ in statuses] == [200] * 5
-    await eventually(written)  # the shared index fills up again from new requests
+    await wait_for(written, what="the shared index to fill up again from new requests")
     assert (await chat(http, router.url, "and again"))[1] == "prefix_hit"
     await wait_released(http, router.url)
 
 
-async def test_slow_redis_delays_no_request_beyond_its_deadline(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_slow_redis_delays_no_request_beyond_its_deadline(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     assert (await chat(http, router.url, "warm"))[0] == 200
     # CLIENT PAUSE: Redis holds every command for a while, as a busy or swapping server would.
-    server.client().execute_command("CLIENT", "PAUSE", 2500, "ALL")
+    redis_server.client().execute_command("CLIENT", "PAUSE", 2500, "ALL")
     results = await asyncio.gather(*(chat(http, router.url, f"during the pause {i}") for i in range(6)))
     assert [s for s, _ in results] == [200] * 6
     # ...all answered on the local view while the router still counts Redis as down: nobody
@@ -66,5 +67,5 @@ async def test_slow_redis_delays_no_request_beyond_its_deadline(server, fleet, m
     async def shared_again() -> bool:
         return total(await scrape(http, router.url), "kvroute_redis_up") == 1
 
-    await eventually(shared_again, timeout=10)
+    await wait_for(shared_again, what="the router to count Redis as up again", timeout=10)
     await wait_released(http, router.url)

@@ -8,8 +8,8 @@ import asyncio
 import aiohttp
 
 from router.fleet.circuit import CircuitBreaker, CircuitState
-from tests.conftest import eventually, scrape, total
 from tests.fault_engine import MODEL, backends
+from tests.helpers import scrape, total, wait_for
 
 
 class Clock:
@@ -117,7 +117,7 @@ async def test_failing_backend_is_ejected_and_readmitted_after_recovery(fault_en
         await complete(http, router)
         return (await listed(http, router))["f0"]["circuit"] == "closed"
 
-    await eventually(readmitted)
+    await wait_for(readmitted, what="f0's circuit closed again")
     assert {(await complete(http, router))[1] for _ in range(4)} == {"f0", "f1"}
 
 
@@ -138,17 +138,17 @@ async def test_failed_active_checks_take_a_backend_out_until_it_recovers(fault_e
     async def state_of_f0(expected: str) -> bool:
         return (await listed(http, router))["f0"]["state"] == expected
 
-    await eventually(lambda: state_of_f0("unhealthy"))
+    await wait_for(lambda: state_of_f0("unhealthy"), what="f0 unhealthy")
     assert {(await complete(http, router))[1] for _ in range(6)} == {"f1"}
     f0.healthy = True
-    await eventually(lambda: state_of_f0("closed"))
+    await wait_for(lambda: state_of_f0("closed"), what="f0 healthy again")
 
 
 async def test_drain_lets_in_flight_finish_and_sends_nothing_new(fault_engines, make_router, http):
     f0, f1 = await fault_engines("hang", "ok")
     router = await make_router(backends([f0, f1]), routing={"policy": "round_robin"})
     in_flight = asyncio.create_task(complete(http, router))
-    await eventually(lambda: _true(f0.received == 1))
+    await wait_for(lambda: f0.received == 1, what="f0 to receive the request")
 
     async with http.post(f"{router.url}/admin/backends/f0/drain") as resp:
         drained = await resp.json()
@@ -183,7 +183,3 @@ async def test_admin_names_an_unknown_backend(make_router, http, fault_engines):
     async with http.post(f"{router.url}/admin/backends/nope/drain") as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["code"] == "backend_not_found"
-
-
-async def _true(value: bool) -> bool:
-    return value

@@ -21,9 +21,11 @@ import yaml
 
 from router.config import Config, config_from_dict
 
-CHART = Path(__file__).resolve().parent.parent / "helm" / "kvroute"
+ROOT = Path(__file__).resolve().parent.parent
+CHART = ROOT / "helm" / "kvroute"
 RELEASE, NAMESPACE = "demo", "llm"
 FULLNAME = f"{RELEASE}-kvroute"
+EXAMPLE_CONFIG = yaml.safe_load((ROOT / "config.example.yaml").read_text())
 #: Oldest (Chart.yaml kubeVersion) and newest Kubernetes whose schemas the manifests must meet.
 KUBE_VERSIONS = ("1.30.0", kubernetes_validate.utils.latest_version())
 
@@ -70,6 +72,8 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6}},
     "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
+    # Every setting the router documents passes the chart's schema of `config` (but `listen`, the chart's).
+    "every_config_setting": {"config": {k: v for k, v in EXAMPLE_CONFIG.items() if k != "listen"}},
 }
 
 
@@ -184,7 +188,7 @@ def test_external_redis_reads_password_from_existing_secret():
     objects = render(VALUES_SETS["external_redis"])
     config = router_config(objects)
     assert config.index.store == "redis"
-    redis = config.index.redis_config
+    redis = config.index.redis
     assert redis.url == "rediss://redis.example.internal:6380/2"
     assert redis.namespace == "team-a" and redis.timeout_ms == 3  # the user's own keys are kept
     env = {e["name"]: e for e in pod_spec(objects)["containers"][0]["env"]}
@@ -202,7 +206,7 @@ def test_builtin_redis_is_a_small_statefulset_reached_by_its_service():
     assert args[args.index("--appendonly") + 1] == "no"
     service = find(ephemeral, "Service", f"{FULLNAME}-redis")
     assert service["spec"]["selector"] == statefulset["spec"]["template"]["metadata"]["labels"]
-    redis = router_config(ephemeral).index.redis_config
+    redis = router_config(ephemeral).index.redis
     assert redis.url == f"redis://{FULLNAME}-redis.{NAMESPACE}.svc:6379/0"
     assert redis.password_env is None
 
@@ -228,7 +232,7 @@ def test_kubernetes_discovery_replaces_the_static_list_with_its_own_read_only_ac
     config = router_config(objects)
     assert config.backends == ()
     assert config.discovery.kind == "kubernetes"
-    settings = config.discovery.kubernetes_config
+    settings = config.discovery.kubernetes
     assert (settings.label_selector, settings.port, settings.namespace) == ("app=vllm", 8001, "")
     account = find(objects, "ServiceAccount")
     role = find(objects, "Role")
@@ -251,7 +255,7 @@ def test_kubernetes_discovery_replaces_the_static_list_with_its_own_read_only_ac
 
 def test_discovery_in_another_namespace_gets_its_role_there():
     objects = render(VALUES_SETS["kubernetes_discovery_other_namespace"])
-    assert router_config(objects).discovery.kubernetes_config.namespace == "gpu"
+    assert router_config(objects).discovery.kubernetes.namespace == "gpu"
     assert find(objects, "Role")["metadata"]["namespace"] == "gpu"
     binding = find(objects, "RoleBinding")
     assert binding["metadata"]["namespace"] == "gpu"
@@ -308,6 +312,9 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
         ),
         ({"redis": {"enabled": True, "mode": "external"}}, "/redis/external/url"),
         ({"replicas": 3}, "replicas"),
+        # The config's own schema (generated from its types): a typo fails here, not at the pod's start.
+        ({"config": {"routing": {"polcy": "cost"}}}, "'/config/routing': additional properties 'polcy'"),
+        ({"config": {"index": {"redis": {"timeout_ms": 0}}}}, "/config/index/redis/timeout_ms"),
     ],
 )
 def test_schema_rejects_bad_values_naming_the_key(values, complaint):

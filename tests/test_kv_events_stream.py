@@ -20,7 +20,7 @@ from router.config import BackendConfig
 from router.http.app import INDEX, POOL
 from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
+from tests.helpers import FAST, MakeRouter, backends_of, scrape, total, wait_for
 
 #: Small KV caches (48 blocks of 16 tokens), so a handful of prompts forces evictions.
 TIGHT = EngineTiming(
@@ -60,7 +60,7 @@ async def in_sync(router: RouterServer, fleet: SimFleet, i: int = 0) -> None:
     async def equal() -> bool:
         return index_of(router).engine_hashes(f"e{i}") == engine_keys(fleet, i)
 
-    await eventually(equal)
+    await wait_for(equal, what=f"the index of e{i} equal to its engine's cache")
 
 
 async def live(http: aiohttp.ClientSession, router: RouterServer, fleet: SimFleet) -> None:
@@ -82,7 +82,7 @@ async def synced(http: aiohttp.ClientSession, router: RouterServer, count: int =
         samples = await scrape(http, router.url)
         return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") >= count
 
-    await eventually(done)
+    await wait_for(done, what=f"{count} connect-resyncs")
 
 
 async def complete(http: aiohttp.ClientSession, url: str, text: str) -> dict[str, Any]:
@@ -183,7 +183,7 @@ async def test_configured_endpoint_without_replay_counts_a_lost_gap(
         async def counted() -> bool:
             return total(await scrape(http, router.url), "kvroute_kv_events_gaps_total", result="lost") == 1
 
-        await eventually(counted)
+        await wait_for(counted, what="one lost gap counted")
         # The lost batch stored prompt 1; without replay the index never learns of it.
         held = index_of(router).engine_hashes("e0")
         assert held < fleet.engines[0].cache.keys()
@@ -212,6 +212,6 @@ async def test_backends_added_and_removed_at_run_time_are_followed(
             samples = await scrape(http, router.url)
             return total(samples, "kvroute_kv_events_connected", backend="e1") == 0
 
-        await eventually(unsubscribed)
+        await wait_for(unsubscribed, what="e1 unsubscribed")
         await complete(http, fleet.urls[1], prompt(2))
         assert index_of(router).engine_hashes("e1") == set()

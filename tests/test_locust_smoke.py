@@ -19,7 +19,7 @@ import pytest
 from loadtest.shapes import SHAPES, ShapeOptions, Trace, make_shape, trace_prompt
 from loadtest.sim.fleet import SimFleet
 from loadtest.sse import ChatStream
-from tests.conftest import FAST, backends_of
+from tests.helpers import FAST, backends_of
 
 LOCUSTFILE = Path(__file__).resolve().parent.parent / "loadtest" / "locustfile.py"
 

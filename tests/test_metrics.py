@@ -7,11 +7,12 @@ from pathlib import Path
 
 from router.http.ratelimit import RateLimiter
 from router.http.reload import reload_counter
+from router.http.settings import TenantLimits
 from router.index.precise import PreciseIndex
 from router.kv_events.metrics import KVEventMetrics
 from router.metrics import RedisMetrics, RouterMetrics
 from router.request_path.beliefs import BeliefMetrics
-from tests.conftest import backends_of, scrape, total
+from tests.helpers import backends_of, scrape, total
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -67,7 +68,7 @@ def test_readme_documents_every_metric_with_its_type():
     RedisMetrics(registry)
     BeliefMetrics(registry)
     KVEventMetrics(registry, PreciseIndex(16, {}, 2.0, 1000))
-    RateLimiter({}, {}, registry)
+    RateLimiter(TenantLimits(), {}, registry)
     reload_counter(registry)
     exposed = {family.name: family.type for family in registry.collect()}
     section = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]

@@ -248,16 +248,25 @@ def test_zero_matches_are_never_a_hit_even_with_ratio_zero() -> None:
     assert prefix_aware(min_match_ratio=0.0).choose(req(), backends).reason == "no_match_least_load"
 
 
-def test_overloaded_best_match_spills_to_the_best_eligible_match() -> None:
-    backends = [bv("a", matched=80, load=20), bv("b", matched=30, load=2), bv("c", matched=0, load=1)]
+@pytest.mark.parametrize(
+    ("others", "expected"),
+    [
+        pytest.param(
+            [bv("b", matched=30, load=2), bv("c", matched=0, load=1)],
+            Decision("b", "prefix_hit_spill", 30),
+            id="spills-to-the-best-eligible-match",
+        ),
+        pytest.param(
+            [bv("b", matched=0, load=1), bv("c", matched=0, load=2)],
+            Decision("b", "overloaded_least_load", 0),
+            id="without-an-eligible-match-goes-to-least-load",
+        ),
+    ],
+)
+def test_an_overloaded_best_match(others: list[BackendView], expected: Decision) -> None:
+    backends = [bv("a", matched=80, load=20), *others]
     decision = prefix_aware(balance_abs_threshold=4, balance_rel_threshold=1.5).choose(req(), backends)
-    assert decision == Decision("b", "prefix_hit_spill", 30)
-
-
-def test_overloaded_best_match_without_an_eligible_match_goes_to_least_load() -> None:
-    backends = [bv("a", matched=80, load=20), bv("b", matched=0, load=1), bv("c", matched=0, load=2)]
-    decision = prefix_aware(balance_abs_threshold=4, balance_rel_threshold=1.5).choose(req(), backends)
-    assert decision == Decision("b", "overloaded_least_load", 0)
+    assert decision == expected
 
 
 def test_eligible_matches_below_the_ratio_do_not_count_as_a_spill() -> None:

@@ -9,7 +9,7 @@ import pytest
 from loadtest.sim.fleet import SimFleet
 from policies.routing import BUILTIN
 from router.http.app import POOL
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.test_policies_rules import REASONS
 
 MODEL = "sim-model"
@@ -90,13 +90,13 @@ async def test_pending_prefill_is_held_until_the_first_byte_and_released_on_ever
         async with http.post(url, json=body("stream", stream=True, max_tokens=50)) as resp:
             assert backend.pending_prefill_tokens == 0
             await resp.read()
-        await eventually(released)
+        await wait_for(released, what="pending prefill released at the first byte")
         # A non-streamed response, and a client that leaves before the first byte.
         plain = asyncio.create_task(http.post(url, json=body("plain")))
-        await eventually(pending)
+        await wait_for(pending, what="pending prefill held for the plain request")
         await (await plain).read()
-        await eventually(released)
+        await wait_for(released, what="pending prefill released after the plain answer")
         abandoned = asyncio.create_task(http.post(url, json=body("gone", stream=True)))
-        await eventually(pending)
+        await wait_for(pending, what="pending prefill held for the abandoned request")
         abandoned.cancel()
-        await eventually(released, timeout=2.0)
+        await wait_for(released, what="pending prefill released after the client left", timeout=2.0)

@@ -17,7 +17,7 @@ from loadtest.sim.engine import SimEngine
 from policies.routing import build_policy
 from policies.types import BackendView, Outcome, RequestView
 from router.config import config_from_dict
-from tests.conftest import FAST, MakeRouter
+from tests.helpers import FAST, MakeRouter
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 

@@ -12,8 +12,8 @@ from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, Decision, Outcome, RequestView
 from router.http.app import DISPATCHER, POOL
 from router.http.server import RouterServer
-from tests.conftest import FAST, MakeRouter, backends_of, eventually, wait_released
 from tests.fault_engine import MODEL, backends
+from tests.helpers import FAST, MakeRouter, backends_of, wait_for, wait_released
 
 #: Loaded by the router from its name, as a user's ``module:Class`` would be.
 RECORDER = f"{__name__}:Recorder"
@@ -95,16 +95,11 @@ async def test_a_client_that_went_away_is_an_outcome_and_releases_every_ledger(
     backend = router.app[POOL]["f0"]
     request = asyncio.create_task(post(http, router, stream=True))
 
-    async def sent() -> bool:
-        return f0.received == 1 and backend.pending_prefill_tokens > 0
-
-    await eventually(sent)
+    await wait_for(
+        lambda: f0.received == 1 and backend.pending_prefill_tokens > 0, what="the request held by the engine"
+    )
     request.cancel()
-
-    async def heard() -> bool:
-        return len(told(router)) == 1
-
-    await eventually(heard)
+    await wait_for(lambda: len(told(router)) == 1, what="the outcome of the cancelled attempt")
     (gone,) = told(router)
     assert (gone.backend, gone.error, gone.status, gone.ttft_s) == ("f0", "client_gone", None, None)
     assert (backend.in_flight, backend.pending_prefill_tokens) == (0, 0)

@@ -12,7 +12,7 @@ from loadtest.sim.fleet import SimFleet
 from router.http.app import INDEX
 from router.http.server import RouterServer
 from router.index.precise import PreciseIndex
-from tests.conftest import FAST, MakeRouter, backends_of, eventually, scrape, total
+from tests.helpers import FAST, MakeRouter, backends_of, scrape, total, wait_for
 
 EVENTS = {"mode": "events", "tokenizer": {"kind": "chunk"}}
 MESSAGES = [
@@ -40,7 +40,7 @@ async def started(http: aiohttp.ClientSession, router: RouterServer) -> PreciseI
         samples = await scrape(http, router.url)
         return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") == 2
 
-    await eventually(subscribed)
+    await wait_for(subscribed, what="both engines subscribed")
     index = router.app[INDEX]
     assert isinstance(index, PreciseIndex)
     return index
@@ -57,7 +57,7 @@ async def test_a_prompt_cached_behind_the_routers_back_is_routed_to_its_engine(
     async def reported() -> bool:
         return index.engine_hashes("e1") == pair.engines[1].cache.keys() != set()
 
-    await eventually(reported)
+    await wait_for(reported, what="e1's index equal to its engine's cache")
     backend, reason, usage = await chat(http, router.url)
     assert (backend, reason) == ("e1", "prefix_hit")
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
@@ -83,7 +83,7 @@ async def test_an_eviction_the_engine_reports_overrides_where_the_router_sent_th
             index.blocks_of(first) == 0 and index.engine_hashes(other) == other_engine.cache.keys() != set()
         )
 
-    await eventually(reported)
+    await wait_for(reported, what="the first engine's blocks gone and the other's reported")
     backend, reason, usage = await chat(http, router.url)
     assert (backend, reason) == (other, "prefix_hit")
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
@@ -99,7 +99,7 @@ async def test_the_router_predicts_exactly_what_the_engine_reports_cached(
     async def reported() -> bool:
         return index.engine_hashes("e0") == pair.engines[0].cache.keys() != set()
 
-    await eventually(reported)
+    await wait_for(reported, what="e0's index equal to its engine's cache")
     body = {"model": "sim-model", "messages": MESSAGES, "max_tokens": 2}
     async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
         predicted = int(resp.headers["x-kvroute-matched-tokens"])

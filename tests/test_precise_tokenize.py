@@ -20,9 +20,9 @@ from loadtest.sim.protocol import render_chat
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
 from router.index.keys import block_keys
-from router.kv_events.settings import TokenizerConfig
-from router.request_path.tokenize import ChunkTokenizer, HFTokenizer, chunk_token_ids
-from tests.conftest import FAST, MakeRouter, backends_of
+from router.request_path.settings import TokenizerConfig
+from router.request_path.tokenize import ChunkTokenizer, HFTokenizer, chunk_token_ids, load_tokenizer
+from tests.helpers import FAST, MakeRouter, backends_of
 
 TEMPLATE = (
     "{{ bos_token }}"
@@ -197,8 +197,8 @@ def test_config_requires_a_usable_tokenizer_in_events_mode(model_dir: Path) -> N
             "index": {"mode": "events", "tokenizer": {"path": str(model_dir / "tokenizer.json")}},
         }
     )
-    assert isinstance(config.index.tokenizer_config.load(), HFTokenizer)
-    assert isinstance(TokenizerConfig(kind="chunk").load(), ChunkTokenizer)
+    assert isinstance(load_tokenizer(config.index.tokenizer), HFTokenizer)
+    assert isinstance(load_tokenizer(TokenizerConfig(kind="chunk")), ChunkTokenizer)
 
 
 async def test_a_router_tokenizes_with_a_model_tokenizer(

@@ -15,8 +15,9 @@ import pytest
 from router.config import ConfigError, config_from_dict
 from router.errors import OpenAIError
 from router.http.ratelimit import SWEEP_EVERY, RateLimiter
-from tests.conftest import eventually, scrape, total, wait_released
+from router.http.settings import TenantLimits
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import scrape, total, wait_for, wait_released
 
 #: One request per 100 s, two back to back: the third in a test is always refused.
 SLOW = {"requests_per_s": 0.01, "request_burst": 2}
@@ -109,7 +110,7 @@ async def test_concurrency_cap_is_released_on_every_path(engine, make_router, ht
         return engine.open == 0 and (await post(http, router.url, "a"))[0] == 200
 
     engine.mode = "ok"
-    await eventually(admitted_again)
+    await wait_for(admitted_again, what="tenant a admitted again")
 
     # Path 3: the backend fails before any byte (502 to the client).
     engine.mode, engine.status = "status", 503
@@ -127,7 +128,7 @@ async def test_concurrency_cap_holds_under_a_burst(engine, make_router, http):
     async def all_settled_but_three() -> bool:
         return sum(t.done() for t in tasks) == 7 and engine.open == 3
 
-    await eventually(all_settled_but_three)
+    await wait_for(all_settled_but_three, what="all but three requests settled, three open at the engine")
     assert sorted(t.result()[0] for t in tasks if t.done()) == [429] * 7
     engine.release.set()
     assert [s for s, _, _ in await asyncio.gather(*tasks)].count(200) == 3
@@ -154,7 +155,7 @@ def refused(limiter: RateLimiter, tenant: str, tokens: int = 0) -> float | None:
 
 def test_buckets_refill_at_their_rate():
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 2, "request_burst": 4}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=2, request_burst=4), {}, clock=clock)
     assert [refused(limiter, "a") for _ in range(5)] == [None] * 4 + [1]
     clock.now += 0.5  # one request's worth
     assert [refused(limiter, "a") for _ in range(2)] == [None, 1]
@@ -164,18 +165,18 @@ def test_buckets_refill_at_their_rate():
 
 def test_reconfigure_keeps_levels_and_applies_new_rates():
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 1, "request_burst": 2}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=1, request_burst=2), {}, clock=clock)
     assert [refused(limiter, "a") for _ in range(3)] == [None, None, 1]
-    limiter.configure({"requests_per_s": 0.1, "request_burst": 2}, {})
+    limiter.configure(TenantLimits(requests_per_s=0.1, request_burst=2), {})
     assert refused(limiter, "a") == 10  # the empty bucket stayed empty, at the new rate
-    limiter.configure({}, {})
+    limiter.configure(TenantLimits(), {})
     assert refused(limiter, "a") is None
 
 
 def test_idle_tenants_are_forgotten():
     """Any bearer key is a tenant when no keys are configured: state must not grow with them."""
     clock = Clock()
-    limiter = RateLimiter({"requests_per_s": 10}, {}, clock=clock)
+    limiter = RateLimiter(TenantLimits(requests_per_s=10), {}, clock=clock)
     for i in range(SWEEP_EVERY - 1):
         assert refused(limiter, f"t{i}") is None
     clock.now += 1  # every bucket is full again
@@ -184,7 +185,7 @@ def test_idle_tenants_are_forgotten():
 
 
 def test_unlimited_tenants_keep_no_state():
-    limiter = RateLimiter({}, {"capped": {"max_concurrent": 1}})
+    limiter = RateLimiter(TenantLimits(), {"capped": TenantLimits(max_concurrent=1)})
     for i in range(100):
         assert refused(limiter, f"t{i}") is None
     assert limiter.tracked_tenants == 0

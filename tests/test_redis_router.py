@@ -8,13 +8,14 @@ from typing import Any
 import aiohttp
 
 from loadtest.sim.fleet import SimFleet
-from router.config import BackendConfig, RedisConfig
+from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
 from router.metrics import RedisMetrics, RouterMetrics
 from router.redis.breaker import RedisLink
 from router.redis.client import build_client
-from tests.conftest import FAST, backends_of, eventually, scrape, total
+from router.redis.settings import RedisConfig
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.redis_servers import RedisServer, redis_server
 
 MODEL = "sim-model"
@@ -38,16 +39,16 @@ async def chat(
         return resp
 
 
-async def test_a_prefix_routed_by_one_replica_is_found_by_another(server, fleet, make_router, http):
-    one = await make_router(backends_of(fleet), index=redis_index(server))
-    two = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_a_prefix_routed_by_one_replica_is_found_by_another(redis_server, fleet, make_router, http):
+    one = await make_router(backends_of(fleet), index=redis_index(redis_server))
+    two = await make_router(backends_of(fleet), index=redis_index(redis_server))
     first = await chat(http, one.url, "turn one")
     backend = first.headers["x-kvroute-backend"]
 
     async def written() -> bool:
-        return server.client().zcard(f"{{kvroute}}:blocks:{backend}") > 0
+        return redis_server.client().zcard(f"{{kvroute}}:blocks:{backend}") > 0
 
-    await eventually(written)
+    await wait_for(written, what=f"blocks of {backend} written to Redis")
     second = await chat(http, two.url, "turn two")
     assert second.status == 200
     assert second.headers["x-kvroute-backend"] == backend
@@ -59,8 +60,8 @@ async def test_a_prefix_routed_by_one_replica_is_found_by_another(server, fleet,
     assert total(samples, "kvroute_index_blocks") > 0
 
 
-async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make_router, http):
-    router = await make_router(backends_of(fleet), index=redis_index(server))
+async def test_killing_and_restarting_redis_fails_no_request(redis_server, fleet, make_router, http):
+    router = await make_router(backends_of(fleet), index=redis_index(redis_server))
     statuses: list[int] = []
     gate = asyncio.Semaphore(6)
 
@@ -69,17 +70,11 @@ async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make
             resp = await chat(http, router.url, f"question {i % 17}")
             statuses.append(resp.status)
 
-    async def until_done(count: int) -> None:
-        async def reached() -> bool:
-            return len(statuses) >= count
-
-        await eventually(reached, timeout=30)
-
     stream = asyncio.gather(*(one(i) for i in range(150)))
-    await until_done(30)
-    server.stop()
-    await until_done(80)
-    server.start()
+    await wait_for(lambda: len(statuses) >= 30, what="30 answers", timeout=30)
+    redis_server.stop()
+    await wait_for(lambda: len(statuses) >= 80, what="80 answers with Redis stopped", timeout=30)
+    redis_server.start()
     await stream
     assert statuses == [200] * 150
 
@@ -87,7 +82,7 @@ async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make
         samples = await scrape(http, router.url)
         return total(samples, "kvroute_redis_up") == 1
 
-    await eventually(recovered)
+    await wait_for(recovered, what="the router to count Redis as up again")
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_redis_fallbacks_total") > 0
     assert total(samples, "kvroute_redis_errors_total") > 0
@@ -96,19 +91,19 @@ async def test_killing_and_restarting_redis_fails_no_request(server, fleet, make
     await chat(http, router.url, "after the outage")
 
     async def rewritten() -> bool:
-        return any(server.client().scan_iter("{kvroute}:blocks:*"))
+        return any(redis_server.client().scan_iter("{kvroute}:blocks:*"))
 
-    await eventually(rewritten)
+    await wait_for(rewritten, what="blocks written to Redis again")
 
 
-async def test_policies_see_in_flight_requests_of_other_replicas(server, make_router, http):
+async def test_policies_see_in_flight_requests_of_other_replicas(redis_server, make_router, http):
     slow = FAST.__class__(decode_step_s=0.02)
     async with SimFleet(2, timing=slow) as fleet:
         backends = backends_of(fleet)
         # Replica one only knows e0, so its long requests all land there.
-        one = await make_router(backends[:1], index=redis_index(server, load_interval_s=0.02))
+        one = await make_router(backends[:1], index=redis_index(redis_server, load_interval_s=0.02))
         two = await make_router(
-            backends, index=redis_index(server, load_interval_s=0.02), routing={"policy": "least_load"}
+            backends, index=redis_index(redis_server, load_interval_s=0.02), routing={"policy": "least_load"}
         )
         long_requests = asyncio.gather(*(chat(http, one.url, f"long {i}", max_tokens=150) for i in range(3)))
 
@@ -116,7 +111,7 @@ async def test_policies_see_in_flight_requests_of_other_replicas(server, make_ro
             samples = await scrape(http, two.url)
             return total(samples, "kvroute_backend_in_flight_others", backend="e0") == 3
 
-        await eventually(two_sees_e0_busy)
+        await wait_for(two_sees_e0_busy, what="router two to see e0's three requests in flight")
         picks = [(await chat(http, two.url, f"short {i}")).headers["x-kvroute-backend"] for i in range(6)]
         # Without the shared view, least_load would see two idle backends and use both.
         assert picks == ["e1"] * 6
@@ -143,7 +138,7 @@ async def test_a_replica_that_dies_stops_counting():
         async def forgotten() -> bool:
             return live_pool["e0"].remote_in_flight == 0
 
-        await eventually(forgotten, timeout=3)
+        await wait_for(forgotten, what="e0's remote in-flight count forgotten", timeout=3)
         assert server.client().hlen("{kvroute}:load") == 1  # the dead replica's field was deleted
         await live.close()
         assert server.client().hlen("{kvroute}:load") == 0  # a clean stop withdraws at once

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
+from tests.helpers import open_index, sample
 from tests.redis_servers import RedisServer, free_port, redis_server
-from tests.test_redis_index import open_index, sample
 
 
 def openssl(*args: str, cwd: Path) -> None:
@@ -31,7 +31,7 @@ def certificates(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-def tls_server(certificates: Path) -> Iterator[tuple[RedisServer, int]]:
+def tls_redis_server(certificates: Path) -> Iterator[tuple[RedisServer, int]]:
     """A server with a plain port (for the fixture's own readiness check) and a TLS port."""
     tls_port = free_port()
     extra = [
@@ -45,8 +45,8 @@ def tls_server(certificates: Path) -> Iterator[tuple[RedisServer, int]]:
         yield server, tls_port
 
 
-async def test_index_over_tls_verifies_the_server(tls_server, certificates):
-    server, tls_port = tls_server
+async def test_index_over_tls_verifies_the_server(tls_redis_server, certificates):
+    server, tls_port = tls_redis_server
     url = f"rediss://127.0.0.1:{tls_port}/0"
     async with open_index({"url": url, "tls_ca_file": str(certificates / "ca.crt")}) as (index, metrics):
         index.record("a", [1, 2])

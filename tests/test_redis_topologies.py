@@ -9,9 +9,8 @@ import pytest
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
-from tests.conftest import eventually
+from tests.helpers import open_index, sample, wait_for
 from tests.redis_servers import RedisClusterServers, RedisSentinel, redis_server
-from tests.test_redis_index import open_index, sample
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +63,7 @@ async def test_sentinel_failover_moves_the_shared_state_to_the_new_master():
                 async def replicated() -> bool:
                     return replica.client().zcard("{kvroute}:blocks:a") == 2
 
-                await eventually(replicated)
+                await wait_for(replicated, what="the blocks replicated")
                 master.stop()
                 # Down: routed on the local view until the sentinel promotes the replica.
                 assert await index.match([1, 2], ["a"]) == {"a": 2}
@@ -72,7 +71,7 @@ async def test_sentinel_failover_moves_the_shared_state_to_the_new_master():
                 async def promoted() -> bool:
                     return sentinel.master_port() == replica.port and sample(metrics, "kvroute_redis_up") == 1
 
-                await eventually(promoted, timeout=20)
+                await wait_for(promoted, what="the replica promoted and Redis up again", timeout=20)
                 index.record("a", [1, 2, 3])
                 await index.flush()
                 assert replica.client().zcard("{kvroute}:blocks:a") == 3

@@ -3,14 +3,16 @@ ones apply at once without dropping a request in flight."""
 
 from __future__ import annotations
 
+import importlib
+import sys
 from typing import Any
 
 import aiohttp
 import pytest
 
 from router.http.app import RUNTIME
-from tests.conftest import eventually, scrape, total, wait_released
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import scrape, total, wait_for, wait_released
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 
@@ -83,7 +85,7 @@ async def test_a_valid_file_applies_policy_limits_keys_and_backends(engines, dep
     async def second_backend_serves() -> bool:
         return (await complete(http, url, team))[0] == 200 and second.received > 0
 
-    await eventually(second_backend_serves)  # the added backend passes its first health check
+    await wait_for(second_backend_serves, what="the added backend to pass its first health check and serve")
     statuses = [(await complete(http, url, team))[0] for _ in range(4)]
     assert 429 in statuses  # the limit applies (4 back to back, minus those spent above)
     samples = await scrape(http, url)
@@ -156,3 +158,47 @@ async def test_the_admin_key_itself_can_be_rotated(engines, deploy, http, tmp_pa
     rotated = {"Authorization": "Bearer admin-rotated-0123"}
     async with http.get(f"{deployment.server.url}/admin/backends", headers=rotated) as resp:
         assert resp.status == 200
+
+
+COUNTED_POLICY = """\
+from policies.routing.round_robin import RoundRobin
+
+
+class Counted(RoundRobin):
+    '''Round robin that counts how often it is built.'''
+
+    built = 0
+
+    def __init__(self, params=None, *, seed=None):
+        super().__init__(params, seed=seed)
+        type(self).built += 1
+"""
+
+
+async def test_the_policy_is_built_once_per_load(engines, deploy, http, tmp_path, monkeypatch):
+    """Loading builds the policy; the app and a reload use the loaded one (no second build)."""
+    module = "kvroute_counted_policy"
+    (tmp_path / f"{module}.py").write_text(COUNTED_POLICY)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, module, raising=False)
+    config = base_config(engines, routing={"policy": f"{module}:Counted", "seed": 1})
+    deployment = await deploy(config)
+    counted = importlib.import_module(module).Counted
+    runtime = deployment.server.app[RUNTIME]
+    assert counted.built == 1
+    assert runtime.dispatcher.policy is runtime.config.policy
+    assert (await complete(http, deployment.server.url))[0] == 200
+    started = runtime.config.policy
+
+    # A reload is a load: one build. Routing unchanged: the running policy (and its state) stays.
+    status, payload = await deployment.reload(http, ADMIN)
+    assert (status, payload["changed"]) == (200, [])
+    assert counted.built == 2
+    assert runtime.dispatcher.policy is runtime.config.policy is started
+
+    deployment.write({**config, "routing": {"policy": f"{module}:Counted", "seed": 2}})
+    status, payload = await deployment.reload(http, ADMIN)
+    assert (status, payload["changed"]) == (200, ["routing"])
+    assert counted.built == 3  # the new file's policy, built as it was loaded, is the one taken
+    assert runtime.dispatcher.policy is runtime.config.policy is not started
+    monkeypatch.delitem(sys.modules, module)

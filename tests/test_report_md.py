@@ -11,7 +11,7 @@ from loadtest.queue_sampler import queue_depth, sample_queue_depth
 from loadtest.report_md import main, write_report
 from loadtest.results import Contender, QueueSample, RequestRecord, load_records
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST
+from tests.helpers import FAST
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 

@@ -380,12 +380,16 @@ def test_nesting_that_parses_but_cannot_be_re_serialised_gets_400(where: str) ->
 KEY = "sk-test-0123456789abcdef"
 
 
-def test_tenant_from_the_trusted_header() -> None:
-    assert parse(chat(CHAT_OK), headers={"X-KVRoute-Tenant": "acme"}).tenant == "acme"
-
-
-def test_tenant_header_wins_over_the_api_key() -> None:
-    headers = {"x-kvroute-tenant": "acme", "Authorization": f"Bearer {KEY}"}
+@pytest.mark.parametrize(
+    "headers",
+    [
+        pytest.param({"X-KVRoute-Tenant": "acme"}, id="from-the-trusted-header"),
+        pytest.param(
+            {"x-kvroute-tenant": "acme", "Authorization": f"Bearer {KEY}"}, id="wins-over-the-api-key"
+        ),
+    ],
+)
+def test_tenant_header(headers: dict[str, str]) -> None:
     assert parse(chat(CHAT_OK), headers=headers).tenant == "acme"
 
 

@@ -10,7 +10,7 @@ import openai
 import pytest
 
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST, backends_of, eventually, scrape, total, wait_released
+from tests.helpers import FAST, backends_of, scrape, total, wait_for, wait_released
 
 MODEL = "sim-model"
 SYSTEM = "You are a careful assistant. " * 40  # ~1.1k characters: several 256-character blocks
@@ -279,7 +279,7 @@ async def test_client_disconnect_mid_stream_cancels_upstream_and_releases_counte
         async def cancelled() -> bool:
             return engine.stats()["cancelled"] == 1 and engine.stats()["running"] == 0
 
-        await eventually(cancelled, timeout=2.0)
+        await wait_for(cancelled, what="the engine to cancel the request", timeout=2.0)
         await wait_released(http, router.url)
 
 
@@ -294,13 +294,13 @@ async def test_client_disconnect_before_first_byte_cancels_upstream(make_router,
         async def arrived() -> bool:
             return engine.stats()["received"] == 1
 
-        await eventually(arrived)
+        await wait_for(arrived, what="the request at the engine")
         request.cancel()
 
         async def cancelled() -> bool:
             return engine.stats()["cancelled"] == 1
 
-        await eventually(cancelled, timeout=2.0)
+        await wait_for(cancelled, what="the engine to cancel the request", timeout=2.0)
         await wait_released(http, router.url)
 
 

@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from loadtest.sim.fleet import SimFleet
-from tests.conftest import FAST, eventually
+from tests.helpers import FAST, wait_for
 
 MODEL = "sim-model"
 #: Slow decode: the stream is still running when SIGTERM arrives.
@@ -56,7 +56,9 @@ async def test_sigterm_stops_listening_and_finishes_running_streams(tmp_path):
                     except aiohttp.ClientConnectionError:
                         return True
 
-                await eventually(refuses_new_connections, timeout=5)
+                await wait_for(
+                    refuses_new_connections, what="the draining router to refuse new connections", timeout=5
+                )
                 received += await resp.content.read()
             assert resp.status == 200
             assert received.count(b'"text"') == TOKENS

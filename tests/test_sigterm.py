@@ -18,8 +18,8 @@ import aiohttp
 import yaml
 
 from loadtest.soak import start_router
-from tests.conftest import eventually
 from tests.fault_engine import MODEL, backends, start_engines
+from tests.helpers import wait_for
 
 DRAIN_S = 1.0
 
@@ -64,7 +64,7 @@ async def test_sigterm_cuts_streams_at_the_drain_deadline_and_exits(tmp_path):
         async def upstream_cancelled() -> bool:
             return engine.open == 0
 
-        await eventually(upstream_cancelled)
+        await wait_for(upstream_cancelled, what="the engine's connection closed")
     finally:
         if process.returncode is None:
             process.kill()
@@ -101,7 +101,7 @@ async def test_sighup_reloads_and_refuses_an_invalid_file(tmp_path):
             async def reloaded() -> bool:
                 return await reason() == "least_load"
 
-            await eventually(reloaded, timeout=10)
+            await wait_for(reloaded, what="the reloaded policy least_load", timeout=10)
     finally:
         process.send_signal(signal.SIGTERM)
         assert await asyncio.wait_for(process.wait(), 20) == 0

@@ -20,6 +20,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from yarl import URL
 
 from loadtest.sim import EngineTiming, PrefixCache, SimEngine, SimFleet, render_chat, serve_fleet
+from tests.helpers import wait_for
 
 MODEL = "sim-model"
 #: Fast but not instant: prefill still costs 20 us per uncached token, so cache hits show.
@@ -64,14 +65,6 @@ async def read_sse(response: aiohttp.ClientResponse) -> list[Any]:
             payload = line[6:].strip()
             events.append("[DONE]" if payload == b"[DONE]" else orjson.loads(payload))
     return events
-
-
-async def wait_until(predicate: Callable[[], bool], timeout: float = 3.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        if time.monotonic() > deadline:
-            raise AssertionError("condition not reached in time")
-        await asyncio.sleep(0.01)
 
 
 async def raw_post(
@@ -384,7 +377,9 @@ async def test_fifo_admission_respects_max_running(
     for i in range(5):  # submitted one after another, so the arrival order is known
         body = complete(f"request {i}", max_tokens=20)
         tasks.append(asyncio.create_task(post(session, url, body)))
-        await wait_until(lambda n=i + 1: engine.scheduler.received == n)
+        await wait_for(
+            lambda n=i + 1: engine.scheduler.received == n, what=f"request {i} received", timeout=3.0
+        )
     stats = engine.stats()
     assert (stats["running"], stats["waiting"]) == (2, 3)
     async with session.get(f"{engine.url}/metrics") as response:
@@ -406,9 +401,9 @@ async def test_kv_reservation_gates_admission(
     url = f"{engine.url}/v1/completions"
     body = complete("z" * 2400, max_tokens=40)  # 600 + 40 tokens = 40 blocks
     first = asyncio.create_task(post(session, url, body))
-    await wait_until(lambda: engine.scheduler.running == 1)
+    await wait_for(lambda: engine.scheduler.running == 1, what="one request running", timeout=3.0)
     second = asyncio.create_task(post(session, url, body))
-    await wait_until(lambda: engine.scheduler.waiting == 1)
+    await wait_for(lambda: engine.scheduler.waiting == 1, what="one request waiting", timeout=3.0)
     assert engine.scheduler.running == 1  # a running slot is free, but the KV cache is not
     async with session.get(f"{engine.url}/metrics") as response:
         assert 'vllm:kv_cache_usage_perc{engine="0",model_name="sim-model"} 0.625' in await response.text()
@@ -423,7 +418,7 @@ async def test_disconnect_mid_stream_cancels_the_request(make_engine: EngineFact
     await asyncio.wait_for(reader.readuntil(b"data: "), 2)  # the stream has started (20 s to go)
     assert engine.stats()["running"] == 1
     await hang_up(writer)
-    await wait_until(lambda: engine.stats()["cancelled"] == 1, timeout=1.0)
+    await wait_for(lambda: engine.stats()["cancelled"] == 1, what="one request cancelled", timeout=1.0)
     stats = engine.stats()
     assert stats["running"] == stats["waiting"] == stats["kv_blocks_reserved"] == stats["completed"] == 0
 
@@ -433,14 +428,14 @@ async def test_disconnect_while_waiting_leaves_the_queue(
 ) -> None:
     engine = await make_engine(max_running=1, decode_step_s=0.02)
     _, busy = await raw_post(engine.url, "/v1/chat/completions", chat("hold the slot", max_tokens=1000))
-    await wait_until(lambda: engine.scheduler.running == 1)
+    await wait_for(lambda: engine.scheduler.running == 1, what="one request running", timeout=3.0)
     _, queued = await raw_post(engine.url, "/v1/chat/completions", chat("wait", max_tokens=1, stream=True))
-    await wait_until(lambda: engine.scheduler.waiting == 1)
+    await wait_for(lambda: engine.scheduler.waiting == 1, what="one request waiting", timeout=3.0)
     await hang_up(queued)  # nothing was generated for it yet
-    await wait_until(lambda: engine.stats()["cancelled"] == 1, timeout=1.0)
+    await wait_for(lambda: engine.stats()["cancelled"] == 1, what="one request cancelled", timeout=1.0)
     assert (engine.scheduler.waiting, engine.scheduler.running) == (0, 1)
     await hang_up(busy)  # a non-streamed request waiting for its answer
-    await wait_until(lambda: engine.stats()["cancelled"] == 2, timeout=1.0)
+    await wait_for(lambda: engine.stats()["cancelled"] == 2, what="two requests cancelled", timeout=1.0)
     assert (engine.scheduler.running, engine.scheduler.reserved_blocks) == (0, 0)
     status, _ = await post(session, f"{engine.url}/v1/chat/completions", chat("no leaked slot", max_tokens=1))
     assert status == 200
@@ -451,9 +446,9 @@ async def test_disconnect_during_prefill_frees_the_prefill_lane(
 ) -> None:
     engine = await make_engine(prefill_per_token_s=0.002)  # 1000 tokens: a 2 s prefill
     _, writer = await raw_post(engine.url, "/v1/completions", complete("p" * 4000))
-    await wait_until(lambda: engine.scheduler.running == 1)
+    await wait_for(lambda: engine.scheduler.running == 1, what="one request running", timeout=3.0)
     await hang_up(writer)
-    await wait_until(lambda: engine.stats()["cancelled"] == 1, timeout=1.0)
+    await wait_for(lambda: engine.stats()["cancelled"] == 1, what="one request cancelled", timeout=1.0)
     status, _ = await post(session, f"{engine.url}/v1/completions", complete("q", max_tokens=1))
     assert status == 200
     [record] = engine.records
@@ -494,7 +489,11 @@ async def test_fleet_runs_engines_on_their_own_ports(session: aiohttp.ClientSess
 
 async def test_serve_fleet_prints_urls_and_stops_when_cancelled(capsys: pytest.CaptureFixture[str]) -> None:
     task = asyncio.create_task(serve_fleet(2, "127.0.0.1", 0, FAST))
-    await wait_until(lambda: capsys.readouterr().out.count("http://127.0.0.1:") == 2 or task.done())
+    await wait_for(
+        lambda: capsys.readouterr().out.count("http://127.0.0.1:") == 2 or task.done(),
+        what="both engine URLs printed (or the fleet task ended)",
+        timeout=3.0,
+    )
     assert not task.done()
     task.cancel()
     with pytest.raises(asyncio.CancelledError):

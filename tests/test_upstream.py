@@ -10,7 +10,7 @@ import pytest
 
 from router.config import UpstreamConfig
 from router.request_path.upstream import ConnectFailed, Disconnected, ProtocolError, ReadTimeout, UpstreamPool
-from tests.conftest import eventually
+from tests.helpers import wait_for
 
 OK = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent-Length: 2\r\n\r\n{}"
 
@@ -156,7 +156,7 @@ async def test_a_backend_that_left_the_fleet_has_its_idle_connections_closed() -
         async def closed() -> bool:
             return backend.closed == 1
 
-        await eventually(closed)
+        await wait_for(closed, what="the backend to see the connection closed")
 
 
 async def test_connection_close_and_an_end_of_connection_body() -> None:
@@ -350,7 +350,7 @@ async def test_a_connection_finishing_after_its_backend_was_forgotten_is_closed_
         async def closed() -> bool:
             return backend.closed == 1
 
-        await eventually(closed)
+        await wait_for(closed, what="the backend to see the connection closed")
         upstream.close()
 
 

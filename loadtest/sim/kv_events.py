@@ -28,14 +28,16 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
 
 import msgspec
 import zmq
 import zmq.asyncio
 
-Format = Literal["vllm", "sglang"]
-FORMATS: tuple[Format, ...] = ("vllm", "sglang")
+from router.fleet.settings import ENGINE_KINDS, EngineKind
+
+#: A simulated engine publishes its KV events in the format of one engine kind.
+Format = EngineKind
+FORMATS = ENGINE_KINDS
 
 _END_SEQ = b"\xff" * 8
 #: How long a restarted publisher retries binding the port its predecessor just released.

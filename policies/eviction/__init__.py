@@ -9,13 +9,16 @@ from __future__ import annotations
 import functools
 import time
 from collections.abc import Callable
+from typing import Literal
 
 from policies.eviction.base import BlockSet
 from policies.eviction.lfu import LFUBlocks
 from policies.eviction.lru import LRUBlocks
 from policies.eviction.ttl import TTLBlocks
 
-POLICIES: dict[str, type[BlockSet]] = {"lru": LRUBlocks, "lfu": LFUBlocks, "ttl": TTLBlocks}
+#: The names ``index.eviction`` accepts (the keys of POLICIES), as a type the config declares.
+EvictionName = Literal["lfu", "lru", "ttl"]
+POLICIES: dict[EvictionName, type[BlockSet]] = {"lru": LRUBlocks, "lfu": LFUBlocks, "ttl": TTLBlocks}
 
 
 def block_set_factory(
@@ -29,4 +32,4 @@ def block_set_factory(
     return POLICIES[name]
 
 
-__all__ = ["POLICIES", "BlockSet", "LFUBlocks", "LRUBlocks", "TTLBlocks", "block_set_factory"]
+__all__ = ["POLICIES", "BlockSet", "EvictionName", "LFUBlocks", "LRUBlocks", "TTLBlocks", "block_set_factory"]

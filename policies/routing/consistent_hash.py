@@ -19,7 +19,11 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
+
+from policies.params import PositiveInt
 from policies.routing.base import RoutingPolicy
 from policies.routing.stable_hash import key_hash
 from policies.types import BackendView, Decision, RequestView
@@ -31,21 +35,13 @@ _RINGS_KEPT = 32
 @dataclass(frozen=True)
 class ConsistentHashParams:
     #: Points per backend on the ring: more points, more even ownership (and a larger ring).
-    virtual_nodes: int = 256
+    virtual_nodes: PositiveInt = 256
     #: A backend takes a request only while its load is under this multiple of the fair share.
-    load_factor: float = 1.25
+    load_factor: Annotated[float, msgspec.Meta(ge=1)] = 1.25
     #: Leading prompt blocks that make the key: requests sharing them meet on one backend.
-    key_blocks: int = 1
+    key_blocks: PositiveInt = 1
     #: Key on the session (header or ``user``) when the request has one, else on the prompt head.
     prefer_session: bool = True
-
-    def validate(self) -> None:
-        if self.virtual_nodes < 1:
-            raise ValueError("virtual_nodes: expected an integer >= 1")
-        if self.load_factor < 1.0:
-            raise ValueError("load_factor: expected a number >= 1")
-        if self.key_blocks < 1:
-            raise ValueError("key_blocks: expected an integer >= 1")
 
 
 class _Ring:

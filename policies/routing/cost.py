@@ -31,6 +31,7 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policies.params import NonNegativeFloat
 from policies.routing.base import RoutingPolicy
 from policies.scoring import match_reason, uncached_tokens
 from policies.types import BackendView, Decision, RequestView
@@ -39,19 +40,11 @@ from policies.types import BackendView, Decision, RequestView
 @dataclass(frozen=True)
 class CostParams:
     #: Weight of the prefill this router has pending on a backend (requests without a first byte).
-    queue_weight: float = 0.1
+    queue_weight: NonNegativeFloat = 0.1
     #: Prefill tokens one outstanding request on a backend is worth, beyond its pending prefill.
-    load_tokens: float = 64.0
+    load_tokens: NonNegativeFloat = 64.0
     #: 0 picks the lowest cost; above 0, samples among near-equal costs (see the module docstring).
-    temperature: float = 0.0
-
-    def validate(self) -> None:
-        if self.queue_weight < 0:
-            raise ValueError("queue_weight: expected a number >= 0")
-        if self.load_tokens < 0:
-            raise ValueError("load_tokens: expected a number >= 0")
-        if self.temperature < 0:
-            raise ValueError("temperature: expected a number >= 0")
+    temperature: NonNegativeFloat = 0.0
 
 
 class Cost(RoutingPolicy):

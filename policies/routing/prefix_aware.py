@@ -15,7 +15,11 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Annotated
 
+import msgspec
+
+from policies.params import NonNegativeInt
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, Decision, RequestView
 
@@ -23,19 +27,11 @@ from policies.types import BackendView, Decision, RequestView
 @dataclass(frozen=True)
 class PrefixAwareParams:
     #: A match counts only when it covers at least this share of the prompt's blocks.
-    min_match_ratio: float = 0.1
+    min_match_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     #: Extra outstanding requests a backend may carry over the least loaded one and stay eligible.
-    balance_abs_threshold: int = 4
+    balance_abs_threshold: NonNegativeInt = 4
     #: ... or up to this multiple of the least loaded one's load (both must be exceeded to exclude).
-    balance_rel_threshold: float = 1.5
-
-    def validate(self) -> None:
-        if not 0.0 <= self.min_match_ratio <= 1.0:
-            raise ValueError("min_match_ratio: expected a number in [0, 1]")
-        if self.balance_abs_threshold < 0:
-            raise ValueError("balance_abs_threshold: expected an integer >= 0")
-        if self.balance_rel_threshold < 1.0:
-            raise ValueError("balance_rel_threshold: expected a number >= 1")
+    balance_rel_threshold: Annotated[float, msgspec.Meta(ge=1)] = 1.5
 
 
 class PrefixAware(RoutingPolicy):

@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from policies.params import NonNegativeFloat
 from policies.routing.base import RoutingPolicy
 from policies.scoring import lower_is_better, match_reason
 from policies.types import BackendView, Decision, RequestView
@@ -25,23 +26,15 @@ from policies.types import BackendView, Decision, RequestView
 
 @dataclass(frozen=True)
 class WeightedParams:
-    prefix: float = 3.0
-    queue: float = 2.0
-    kv_usage: float = 2.0
-    in_flight: float = 0.0
+    prefix: NonNegativeFloat = 3.0
+    queue: NonNegativeFloat = 2.0
+    kv_usage: NonNegativeFloat = 2.0
+    in_flight: NonNegativeFloat = 0.0
 
-    def validate(self) -> None:
-        weights = {
-            "prefix": self.prefix,
-            "queue": self.queue,
-            "kv_usage": self.kv_usage,
-            "in_flight": self.in_flight,
-        }
-        for name, weight in weights.items():
-            if weight < 0:
-                raise ValueError(f"{name}: expected a weight >= 0")
-        if not any(weights.values()):
-            raise ValueError("prefix: at least one weight must be above 0")
+    def validate(self) -> list[str]:
+        if not any((self.prefix, self.queue, self.kv_usage, self.in_flight)):
+            return ["prefix: at least one weight must be above 0"]
+        return []
 
 
 def _prefix_scores(request: RequestView, backends: Sequence[BackendView]) -> list[float]:

@@ -10,9 +10,9 @@ import time
 from collections.abc import Callable, Iterable, Iterator
 
 from policies.types import BackendView
-from router.config import BackendConfig, HealthConfig
 from router.fleet.circuit import CircuitBreaker
 from router.fleet.engines import EngineStats
+from router.fleet.settings import BackendConfig, HealthConfig
 from router.metrics import RouterMetrics
 
 

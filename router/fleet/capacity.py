@@ -22,10 +22,10 @@ from __future__ import annotations
 
 import logging
 
-from router.config import IndexConfig
 from router.fleet.backends import Backend
 from router.fleet.engines import EngineStats
 from router.index import PrefixIndex
+from router.index.settings import IndexConfig
 
 log = logging.getLogger("kvroute.capacity")
 
@@ -41,7 +41,7 @@ class CapacitySizer:
     def __init__(self, index: PrefixIndex, config: IndexConfig) -> None:
         self.index = index
         if config.mode == "events":
-            self._chars_per_token, self._block_units = 1.0, config.events_config.block_size
+            self._chars_per_token, self._block_units = 1.0, config.events.block_size
         else:
             self._chars_per_token, self._block_units = config.chars_per_token, config.block_size
         #: The capacity applied from each backend's reports (absent: still the configured one).

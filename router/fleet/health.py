@@ -15,8 +15,8 @@ import time
 
 import aiohttp
 
-from router.config import HealthConfig
 from router.fleet.backends import Backend, BackendPool
+from router.fleet.settings import HealthConfig
 from router.tasks import stop_task
 
 log = logging.getLogger("kvroute.health")

@@ -17,9 +17,9 @@ from collections.abc import Callable
 
 import aiohttp
 
-from router.config import EngineMetricsConfig
 from router.fleet.backends import Backend, BackendPool
 from router.fleet.engines import ADAPTERS, EngineStats
+from router.fleet.settings import EngineMetricsConfig
 from router.metrics import RouterMetrics
 
 log = logging.getLogger("kvroute.scraper")

@@ -16,7 +16,6 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from policies.routing import build_policy
 from router.config import Config
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
@@ -166,10 +165,9 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         async with aiohttp.ClientSession(
             connector=connector, timeout=timeout, auto_decompress=False, cookie_jar=aiohttp.DummyCookieJar()
         ) as session:
-            policy = build_policy(config.routing.policy, config.routing.params, seed=config.routing.seed)
             upstream = UpstreamPool(config.upstream)
             pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
-            app[DISPATCHER] = Dispatcher(config, pool, index, policy, Proxy(upstream), router_metrics)
+            app[DISPATCHER] = Dispatcher(config, pool, index, config.policy, Proxy(upstream), router_metrics)
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
             await upkeep.start()

@@ -14,6 +14,9 @@ digests). The time taken depends only on the digest of what the client sent, so 
 nothing about how close a guess is to a real key (a byte-by-byte string compare would), and
 no plain key is kept in memory after loading.
 
+The keys' sources (inline, a file, a mounted Secret) are read by ``AuthConfig.tenant_keys``
+(router/http/settings.py), when the config is validated and again when the keys are applied.
+
 The admin key guards ``/admin/`` (drain, reload, debug views); client keys never open it.
 An engine's own credential (``backends[].api_key``) replaces the client's Authorization on
 the way upstream; with client keys on, the client's key is never forwarded to an engine.
@@ -23,18 +26,15 @@ from __future__ import annotations
 
 import hashlib
 import hmac
-from collections.abc import Awaitable, Callable, Mapping
-from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from collections.abc import Awaitable, Callable
+from typing import Any
 
-import yaml
 from aiohttp import web
 
 from router.errors import OpenAIError
+from router.http.settings import AuthConfig
 from router.request_path.request import TENANT
-
-if TYPE_CHECKING:
-    from router.config import AuthConfig, TenancyConfig
+from router.request_path.settings import TenancyConfig
 
 #: Paths that need the admin key (when one is set) instead of a client key.
 ADMIN_PREFIX = "/admin/"
@@ -49,57 +49,6 @@ def _digest(key: str) -> bytes:
     return hashlib.sha256(key.encode()).digest()
 
 
-def _keys_of(tenant: str, value: Any, where: str) -> list[str]:
-    keys = [value] if isinstance(value, str) else value
-    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k.strip() for k in keys):
-        raise ValueError(f"{where}: expected a key or a list of keys for tenant {tenant!r}")
-    return [k.strip() for k in keys]
-
-
-def _read_dir(path: Path) -> dict[str, list[str]]:
-    """A mounted Secret: one file per tenant. Kubernetes' own ``..data`` links and dirs are skipped."""
-    found: dict[str, list[str]] = {}
-    for entry in sorted(path.iterdir()):
-        if entry.name.startswith(".") or not entry.is_file():
-            continue
-        keys = [line.strip() for line in entry.read_text(encoding="utf-8").splitlines() if line.strip()]
-        found[entry.name] = _keys_of(entry.name, keys, f"keys_dir {path}/{entry.name}")
-    return found
-
-
-def load_keys(config: AuthConfig) -> dict[bytes, str]:
-    """Every configured key's digest -> its tenant, from all sources; ValueError naming the fault."""
-    sources: list[tuple[str, Mapping[str, Any]]] = [("keys", config.keys)]
-    if config.keys_file is not None:
-        try:
-            raw = yaml.safe_load(Path(config.keys_file).read_text(encoding="utf-8"))
-        except OSError as exc:
-            raise ValueError(f"keys_file: cannot read {config.keys_file}: {exc.strerror}") from None
-        except yaml.YAMLError as exc:
-            raise ValueError(f"keys_file: {config.keys_file} is not valid YAML: {exc}") from None
-        if not isinstance(raw, Mapping):
-            raise ValueError(f"keys_file: {config.keys_file} must map each tenant to its key(s)")
-        sources.append((f"keys_file {config.keys_file}", raw))
-    if config.keys_dir is not None:
-        try:
-            sources.append((f"keys_dir {config.keys_dir}", _read_dir(Path(config.keys_dir))))
-        except OSError as exc:
-            raise ValueError(f"keys_dir: cannot read {config.keys_dir}: {exc.strerror}") from None
-    table: dict[bytes, str] = {}
-    for where, mapping in sources:
-        for tenant, value in mapping.items():
-            if not isinstance(tenant, str) or not tenant:
-                raise ValueError(f"{where}: tenant names must be non-empty strings, got {tenant!r}")
-            for key in _keys_of(tenant, value, where):
-                digest = _digest(key)
-                if table.get(digest, tenant) != tenant:
-                    raise ValueError(
-                        f"{where}: one key is given to two tenants ({table[digest]!r}, {tenant!r})"
-                    )
-                table[digest] = tenant
-    return table
-
-
 def bearer(request: web.Request) -> str | None:
     scheme, _, token = request.headers.get("Authorization", "").partition(" ")
     return token.strip() or None if scheme.lower() == "bearer" else None
@@ -112,7 +61,8 @@ class KeyStore:
         self.configure(config, tenancy)
 
     def configure(self, config: AuthConfig, tenancy: TenancyConfig) -> None:
-        self._table = load_keys(config)
+        """Apply ``config``'s keys, read from their sources now; ValueError (nothing applied) if one fails."""
+        self._table = {_digest(key): tenant for tenant, keys in config.tenant_keys().items() for key in keys}
         self._trust_header = config.trust_tenant_header
         self._tenant_header = tenancy.header
 

@@ -17,7 +17,7 @@ abstract method every ``BaseRunner`` implements): :class:`OpenAIErrorRunner` let
 start the app and build its ``Server`` there, then serves with an :class:`OpenAIErrorServer`
 built from that server's public attributes (``request_handler``, ``request_factory``) and
 the runner's own arguments. If an aiohttp upgrade changes any of this, the raw-socket tests
-in tests/test_http_errors.py fail.
+in tests/test_protocol_errors.py fail.
 
 Status codes: aiohttp reports every parse error as 400, so the exception decides:
 

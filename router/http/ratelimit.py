@@ -22,46 +22,14 @@ import math
 import time
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
-from dataclasses import dataclass
-from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter
 
-from policies.params import parse_params
 from router.errors import OpenAIError
+from router.http.settings import TenantLimits
 
 #: Admissions between two sweeps of idle tenant state.
 SWEEP_EVERY = 4096
-
-
-@dataclass(frozen=True)
-class TenantLimits:
-    """One tenant's limits; null means unlimited."""
-
-    #: Sustained requests per second (the request bucket's refill rate).
-    requests_per_s: float | None = None
-    #: Requests admitted back to back after a quiet spell; default max(1, requests_per_s).
-    request_burst: float | None = None
-    #: Sustained prompt tokens per second (estimated from characters).
-    prompt_tokens_per_s: float | None = None
-    #: Prompt tokens admitted back to back; default one second's worth.
-    prompt_token_burst: float | None = None
-    #: Requests of the tenant in flight at once (a stream counts until it ends).
-    max_concurrent: int | None = None
-
-    def validate(self) -> None:
-        for name in ("requests_per_s", "request_burst", "prompt_tokens_per_s", "prompt_token_burst"):
-            value = getattr(self, name)
-            if value is not None and value <= 0:
-                raise ValueError(f"{name}: expected a positive number or null")
-        if self.max_concurrent is not None and self.max_concurrent < 1:
-            raise ValueError("max_concurrent: expected a positive integer or null")
-
-    @property
-    def unlimited(self) -> bool:
-        return (
-            self.requests_per_s is None and self.prompt_tokens_per_s is None and self.max_concurrent is None
-        )
 
 
 class TokenBucket:
@@ -127,8 +95,8 @@ class RateLimiter:
 
     def __init__(
         self,
-        tenant_default: Mapping[str, Any],
-        tenants: Mapping[str, Mapping[str, Any]],
+        tenant_default: TenantLimits,
+        tenants: Mapping[str, TenantLimits],
         registry: CollectorRegistry | None = None,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
@@ -143,13 +111,11 @@ class RateLimiter:
         )
         self.configure(tenant_default, tenants)
 
-    def configure(self, tenant_default: Mapping[str, Any], tenants: Mapping[str, Mapping[str, Any]]) -> None:
-        """Apply (new) limits; tenants' in-flight counts and bucket levels carry over."""
-        self._default = parse_params(TenantLimits, tenant_default, where="limits.tenant_default")
-        self._overrides = {
-            name: parse_params(TenantLimits, {**tenant_default, **raw}, where=f"limits.tenants.{name}")
-            for name, raw in tenants.items()
-        }
+    def configure(self, tenant_default: TenantLimits, tenants: Mapping[str, TenantLimits]) -> None:
+        """Apply (new) limits: the default and each named tenant's own (``LimitsConfig.tenant_limits``,
+        already merged over the default); tenants' in-flight counts and bucket levels carry over."""
+        self._default = tenant_default
+        self._overrides = dict(tenants)
         now = self._clock()
         for name, state in self._states.items():
             state.configure(self.limits_of(name), now)

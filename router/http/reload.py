@@ -8,11 +8,11 @@ what they started with (their backend object, policy decision and limits slot).
 
 What applies live, and why the rest needs a restart:
 
-* live: ``routing`` (policy and its parameters: a new policy object, only when the section
-  changed, so stateful policies keep their state otherwise), ``backends`` (with static
-  discovery: added, removed, or replaced when their entry changed), ``upstream`` timeouts
-  and attempts, ``tenancy``, ``limits`` rates and caps, ``auth`` keys, the ``admin`` key,
-  ``log_level``.
+* live: ``routing`` (policy and its parameters: the policy built once when the file was
+  loaded, taken only when the section changed, so stateful policies keep their state
+  otherwise), ``backends`` (with static discovery: added, removed, or replaced when their
+  entry changed), ``upstream`` timeouts and attempts, ``tenancy``, ``limits`` rates and
+  caps, ``auth`` keys, the ``admin`` key, ``log_level``.
 * restart: ``listen`` and ``admin.listen`` (sockets), ``index`` (the index and its hashing
   define what every stored belief means), ``discovery``, ``health``, ``engine_metrics``
   (background loops built at start), and ``limits`` body and header sizes (fixed in the
@@ -30,8 +30,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from policies.routing import build_policy
-from router.config import Config, ConfigError, load_config
+from router.config import Config, ConfigError, ConfigFile, load_config
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.http.auth import AdminKey, KeyStore
@@ -74,7 +73,7 @@ class Runtime:
         self.path = path
         self.keys = KeyStore(config.auth, config.tenancy)
         self.admin_key = AdminKey(config.admin.admin_key())
-        self.limiter = RateLimiter(config.limits.tenant_default, config.limits.tenants, registry)
+        self.limiter = RateLimiter(config.limits.tenant_default, config.limits.tenant_limits(), registry)
         #: Set once the app's client session exists (app startup).
         self.dispatcher: Dispatcher | None = None
         self.reloads = reload_counter(registry)
@@ -122,23 +121,23 @@ class Runtime:
             restart.append("backends")
         keys = KeyStore(running.auth, running.tenancy)
         admin_key = AdminKey(running.admin.admin_key())
-        policy = None
-        if running.routing != old.routing:
-            routing = running.routing
-            policy = build_policy(routing.policy, routing.params, seed=routing.seed)
+        routing_changed = running.routing != old.routing
+        if not routing_changed:
+            # The policy the new file's load built is not used: a stateful policy keeps its state.
+            running = dataclasses.replace(running, policy=old.policy)
 
         changed = [
-            f.name for f in dataclasses.fields(Config) if getattr(old, f.name) != getattr(running, f.name)
+            f.name for f in dataclasses.fields(ConfigFile) if getattr(old, f.name) != getattr(running, f.name)
         ]
         self.keys, self.admin_key = keys, admin_key
-        self.limiter.configure(running.limits.tenant_default, running.limits.tenants)
+        self.limiter.configure(running.limits.tenant_default, running.limits.tenant_limits())
         if backends_live:
             self._sync_backends(running)
         if self.dispatcher is not None:
             self.dispatcher.config = running
             self.dispatcher.proxy.upstream.configure(running.upstream)
-            if policy is not None:
-                self.dispatcher.policy = policy
+            if routing_changed:
+                self.dispatcher.policy = running.policy
         if running.log_level != old.log_level:
             logging.getLogger().setLevel(running.log_level.upper())
         self.config = running

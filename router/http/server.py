@@ -70,7 +70,7 @@ class RouterServer:
         )
         await site.start()
         self.port = self._runner.addresses[0][1]
-        admin_listen = self.config.admin.listen_config
+        admin_listen = self.config.admin.listen
         if self._admin_runner is not None and admin_listen is not None:
             await self._admin_runner.setup()
             await web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port).start()
@@ -81,7 +81,7 @@ class RouterServer:
         """Where the admin API answers: its own listener if configured, else the main one."""
         if self.admin_port is None:
             return self.url
-        host = self.config.admin.listen_config.host  # type: ignore[union-attr]
+        host = self.config.admin.listen.host  # type: ignore[union-attr]
         return f"http://{host}:{self.admin_port}"
 
     def reload(self) -> None:

@@ -19,7 +19,7 @@ def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
     index_config = config.index
     index: PrefixIndex
     if index_config.mode == "events":
-        events = index_config.events_config
+        events = index_config.events
         index = PreciseIndex(
             events.block_size, events.medium_weights, events.provisional_ttl_s, index_config.max_blocks
         )

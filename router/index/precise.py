@@ -48,9 +48,9 @@ import xxhash
 from router.index.base import Candidate, PrefixIndex
 from router.index.events import AllBlocksCleared, BlockHash, BlockRemoved, BlockStored, EventBatch
 from router.index.keys import ROOT_KEY, block_keys, namespace_seed
+from router.kv_events.settings import DEFAULT_MEDIUM_WEIGHTS, TIERS
 
-#: Storage tiers a match can be weighted by, and the engines' medium names for them.
-TIERS = ("gpu", "cpu", "disk")
+#: The engines' medium names for each storage tier (router/kv_events/settings.py: TIERS).
 _MEDIUM_TIERS = {
     "GPU": "gpu",
     "CPU": "cpu",
@@ -68,9 +68,6 @@ def tier_of(medium: str | None) -> str:
         return "gpu"
     return _MEDIUM_TIERS.get(medium.upper(), "disk")
 
-
-#: Worth of a matched block per tier: loading from CPU or disk is cheaper than recomputing, not free.
-DEFAULT_MEDIUM_WEIGHTS = {"gpu": 1.0, "cpu": 0.5, "disk": 0.25}
 
 Source = tuple[str, int]
 

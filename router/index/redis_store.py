@@ -23,10 +23,10 @@ from functools import partial
 
 from prometheus_client import CollectorRegistry
 
-from router.config import IndexConfig
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
 from router.index.redis_scripts import MATCH, RECORD, Keys, Script, pack_chain
+from router.index.settings import IndexConfig
 from router.metrics import RedisMetrics
 from router.redis.breaker import RedisLink, RedisUnavailable
 from router.redis.client import build_client
@@ -245,6 +245,6 @@ class RedisIndex(PrefixIndex):
 
 def build_redis_index(index: IndexConfig, local: MemoryIndex, registry: CollectorRegistry) -> RedisIndex:
     """The Redis index of ``index.redis``, its link (breaker) and metrics in ``registry``."""
-    config = index.redis_config
+    config = index.redis
     link = RedisLink(build_client(config), config, RedisMetrics(registry))
     return RedisIndex(link, local, eviction=index.eviction, belief_ttl_s=index.ttl_s)

@@ -34,7 +34,6 @@ import zmq.asyncio
 from prometheus_client import CollectorRegistry
 from zmq.utils.monitor import parse_monitor_message
 
-from policies.params import parse_params
 from router.config import Config
 from router.fleet.backends import Backend, BackendPool
 from router.index import PrefixIndex
@@ -217,11 +216,10 @@ class KVEventsManager:
         #: Each backend's subscribers once its streams are known, for introspection and tests.
         self.subscribers: dict[str, list[StreamSubscriber]] = {}
 
-    def add_backend(self, name: str, url: str, engine: str, kv_events: dict | None) -> None:
-        """Follow ``name``'s streams: those configured in ``kv_events``, else those its engine names."""
+    def add_backend(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
+        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names."""
         if name in self._tasks:
             return
-        endpoint = parse_params(EndpointConfig, kv_events, where="kv_events") if kv_events else None
         self._tasks[name] = asyncio.create_task(
             self._follow(name, url, engine, endpoint), name=f"kv-events-{name}"
         )
@@ -288,6 +286,6 @@ def start_kv_events(
     """With ``index.mode: events``, follow every backend's KV events into ``index``; else None."""
     if not isinstance(index, PreciseIndex):
         return None
-    manager = KVEventsManager(index, config.index.events_config, KVEventMetrics(registry, index), session)
+    manager = KVEventsManager(index, config.index.events, KVEventMetrics(registry, index), session)
     manager.follow(pool)
     return manager

@@ -21,9 +21,9 @@ from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from router.config import RedisConfig
 from router.metrics import RedisMetrics
 from router.redis.client import RedisClient
+from router.redis.settings import RedisConfig
 from router.tasks import stop_task
 
 if sys.version_info >= (3, 11):

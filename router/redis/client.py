@@ -18,7 +18,8 @@ from redis.asyncio.retry import Retry
 from redis.asyncio.sentinel import Sentinel
 from redis.backoff import NoBackoff
 
-from router.config import ConfigError, RedisConfig
+from router.config import ConfigError
+from router.redis.settings import RedisConfig
 
 #: What the index and load view talk to; both client kinds offer the commands they use.
 RedisClient = Redis | RedisCluster

@@ -19,10 +19,10 @@ import math
 from abc import ABC, abstractmethod
 
 from policies.types import RequestView
-from router.config import IndexConfig
 from router.index.keys import PrefixHasher, block_keys, chain_seed
+from router.index.settings import IndexConfig
 from router.request_path.request import CHAT, RoutableRequest
-from router.request_path.tokenize import Tokenizer
+from router.request_path.tokenize import Tokenizer, load_tokenizer
 
 
 class Keyer(ABC):
@@ -85,6 +85,6 @@ class TokenKeyer(Keyer):
 def build_keyer(index: IndexConfig) -> Keyer:
     """The keyer of the index's mode (loads the tokenizer in token mode)."""
     if index.mode == "events":
-        tokenizer = index.tokenizer_config.load()
-        return TokenKeyer(index.block_size, index.chars_per_token, tokenizer, index.events_config.block_size)
+        tokenizer = load_tokenizer(index.tokenizer)
+        return TokenKeyer(index.block_size, index.chars_per_token, tokenizer, index.events.block_size)
     return CharKeyer(index.block_size, index.chars_per_token)

@@ -17,8 +17,8 @@ import orjson
 import xxhash
 from aiohttp import web
 
-from router.config import TenancyConfig
 from router.errors import OpenAIError
+from router.request_path.settings import TenancyConfig
 
 #: Request-scoped key: the tenant the client's key belongs to (set by router/http/auth.py;
 #: absent without client keys).

@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from router.errors import OpenAIError
+from router.request_path.settings import TokenizerConfig
 
 #: The simulated engines' chat template (``loadtest.sim.protocol.render_chat``), as Jinja; list
 #: contents arrive flattened (text parts joined without separator, as the simulator joins them).
@@ -216,3 +217,11 @@ class HFTokenizer:
         if not isinstance(prompt, str):
             return list(prompt)
         return self._tokenizer.encode(prompt, add_special_tokens=True).ids
+
+
+def load_tokenizer(config: TokenizerConfig) -> Tokenizer:
+    """The tokenizer ``index.tokenizer`` describes (reads the files of ``hf``; validated at load)."""
+    if config.kind == "chunk":
+        return ChunkTokenizer(config.chars_per_token)
+    assert config.path is not None
+    return HFTokenizer(config.path, config.chat_template)

@@ -38,7 +38,7 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
-from router.config import UpstreamConfig
+from router.request_path.settings import UpstreamConfig
 
 #: Response bytes buffered before the router stops reading the backend's socket: a slow client
 #: then holds the engine back through TCP instead of filling the router's memory.

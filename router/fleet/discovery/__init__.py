@@ -8,11 +8,11 @@ with it.
 
 from __future__ import annotations
 
-from router.config import DiscoveryConfig
 from router.fleet.backends import BackendPool
 from router.fleet.discovery.base import Discovery, Endpoint, FleetSync
 from router.fleet.discovery.dns import DnsDiscovery
 from router.fleet.discovery.kubernetes import KubernetesDiscovery
+from router.fleet.settings import DiscoveryConfig
 
 __all__ = ["Discovery", "DnsDiscovery", "Endpoint", "FleetSync", "KubernetesDiscovery", "build_discovery"]
 
@@ -20,7 +20,7 @@ __all__ = ["Discovery", "DnsDiscovery", "Endpoint", "FleetSync", "KubernetesDisc
 def build_discovery(config: DiscoveryConfig, pool: BackendPool) -> Discovery | None:
     """The configured dynamic source, or None for ``kind: static``."""
     if config.kind == "dns":
-        return DnsDiscovery(pool, config.dns_config)
+        return DnsDiscovery(pool, config.dns)
     if config.kind == "kubernetes":
-        return KubernetesDiscovery(pool, config.kubernetes_config)
+        return KubernetesDiscovery(pool, config.kubernetes)
     return None

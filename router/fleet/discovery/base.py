@@ -7,8 +7,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-from router.config import BackendConfig, DiscoveredBackend
 from router.fleet.backends import BackendPool
+from router.fleet.settings import BackendConfig, DiscoveredBackend
 
 log = logging.getLogger("kvroute.discovery")
 

@@ -19,9 +19,9 @@ import dns.asyncresolver
 import dns.exception
 import dns.resolver
 
-from router.config import DnsDiscoveryConfig
 from router.fleet.backends import BackendPool
 from router.fleet.discovery.base import Discovery, Endpoint, FleetSync
+from router.fleet.settings import DnsDiscoveryConfig
 
 log = logging.getLogger("kvroute.discovery.dns")
 

@@ -32,9 +32,9 @@ from typing import Any
 import aiohttp
 import orjson
 
-from router.config import KubernetesDiscoveryConfig
 from router.fleet.backends import BackendPool
 from router.fleet.discovery.base import Discovery, Endpoint, FleetSync
+from router.fleet.settings import KubernetesDiscoveryConfig
 
 log = logging.getLogger("kvroute.discovery.kubernetes")
 

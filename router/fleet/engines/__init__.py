@@ -9,7 +9,9 @@ from __future__ import annotations
 from router.fleet.engines.base import EngineAdapter, EngineStats
 from router.fleet.engines.sglang import SGLangAdapter
 from router.fleet.engines.vllm import VLLMAdapter
+from router.fleet.settings import EngineKind
 
-ADAPTERS: dict[str, EngineAdapter] = {"vllm": VLLMAdapter(), "sglang": SGLangAdapter()}
+#: One adapter per engine kind (router/fleet/settings.py: EngineKind names them).
+ADAPTERS: dict[EngineKind, EngineAdapter] = {"vllm": VLLMAdapter(), "sglang": SGLangAdapter()}
 
 __all__ = ["ADAPTERS", "EngineAdapter", "EngineStats", "SGLangAdapter", "VLLMAdapter"]

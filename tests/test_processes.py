@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import aiohttp
@@ -13,7 +11,7 @@ import yaml
 
 from router.config import config_from_dict
 from router.http.processes import refusal
-from tests.conftest import backends_of, eventually
+from tests.helpers import backends_of, kvroute, wait_for
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
@@ -31,16 +29,6 @@ def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Pa
         )
     )
     return path
-
-
-def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
-    """``kvroute ARGS``; its output piped (read it with communicate), or appended to ``log``."""
-    if log is None:
-        return subprocess.Popen(
-            [sys.executable, "-m", "kvroute.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE
-        )
-    with log.open("ab") as out:
-        return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out, stderr=out)
 
 
 def test_workers_with_the_memory_store_are_refused(tmp_path):
@@ -80,7 +68,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
             async def both_workers_publish() -> bool:
                 return replicas.zcard("{kvroute}:replicas") == 2
 
-            await eventually(both_workers_publish, timeout=30)
+            await wait_for(both_workers_publish, what="both workers to publish their replica", timeout=30)
             body = {"model": MODEL, "messages": [{"role": "user", "content": "hi " * 200}], "max_tokens": 2}
             url = f"http://127.0.0.1:{port}/v1/chat/completions"
 
@@ -97,7 +85,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
             async def recorded() -> bool:
                 return replicas.zcard(f"{{kvroute}}:blocks:{backend}") > 0
 
-            await eventually(recorded)
+            await wait_for(recorded, what=f"blocks of {backend} recorded in Redis")
             # Whichever worker takes the connection finds the prefix in the shared index.
             for _ in range(10):
                 resp = await post()
@@ -114,7 +102,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
             async def both_refused() -> bool:
                 return log.read_text().count("config reload from") == 2
 
-            await eventually(both_refused, timeout=10)
+            await wait_for(both_refused, what="both workers to refuse the reload", timeout=10)
             assert process.poll() is None
         finally:
             process.send_signal(signal.SIGTERM)

@@ -1,62 +1,25 @@
-"""The Redis prefix index against a real, private redis-server: semantics, bounds, failure."""
+"""router.index.redis_store.RedisIndex against a real, private redis-server: semantics, bounds, failure."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import random
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from typing import Any
 
 import pytest
 
 from policies.eviction import block_set_factory
-from router.config import config_from_dict
 from router.index import MemoryIndex
-from router.index.build import build_index
-from router.index.redis_store import WARM_CONNECTIONS, RedisIndex
-from router.metrics import RouterMetrics
-from tests.conftest import eventually
+from router.index.redis_store import WARM_CONNECTIONS
+from tests.helpers import INDEX_BACKENDS, open_index, sample, wait_for
 from tests.redis_servers import redis_server
 
-BACKENDS = ["a", "b", "c"]
 
-
-def index_config(redis: dict[str, Any], **index: Any):
-    return config_from_dict(
-        {
-            "backends": [{"name": n, "url": f"http://127.0.0.1:1/{n}"} for n in BACKENDS],
-            "index": {"store": "redis", "redis": redis, **index},
-        }
-    )
-
-
-@asynccontextmanager
-async def open_index(redis: dict[str, Any], **index: Any) -> AsyncIterator[tuple[RedisIndex, RouterMetrics]]:
-    metrics = RouterMetrics()
-    built = build_index(index_config(redis, **index), metrics)
-    assert isinstance(built, RedisIndex)
-    await built.start()
-    try:
-        yield built, metrics
-    finally:
-        await built.close()
-
-
-def sample(metrics: RouterMetrics, name: str, **labels: str) -> float:
-    return metrics.registry.get_sample_value(name, labels) or 0.0
-
-
-async def until(predicate: Callable[[], bool]) -> None:
-    async def check() -> bool:
-        return predicate()
-
-    await eventually(check)
-
-
-async def test_match_after_record_is_shared_between_indexes(server):
-    async with open_index({"url": server.url}) as (one, m1), open_index({"url": server.url}) as (two, _):
+async def test_match_after_record_is_shared_between_indexes(redis_server):
+    async with (
+        open_index({"url": redis_server.url}) as (one, m1),
+        open_index({"url": redis_server.url}) as (two, _),
+    ):
         one.record("a", [1, 2, 3, 4])
         one.record("b", [1, 2])
         await one.flush()
@@ -67,18 +30,18 @@ async def test_match_after_record_is_shared_between_indexes(server):
         assert sample(m1, "kvroute_redis_fallbacks_total") == 0
 
 
-async def test_match_is_one_round_trip(server):
-    async with open_index({"url": server.url}) as (index, _):
+async def test_match_is_one_round_trip(redis_server):
+    async with open_index({"url": redis_server.url}) as (index, _):
         index.record("a", list(range(1, 200)))
         await index.flush()
-        await index.match([1, 2], BACKENDS)  # loads the script
+        await index.match([1, 2], INDEX_BACKENDS)  # loads the script
 
         def calls() -> dict[str, int]:
-            stats = server.client().info("commandstats")
+            stats = redis_server.client().info("commandstats")
             return {k: v["calls"] for k, v in stats.items()}
 
         before = calls()
-        assert (await index.match(list(range(1, 300)), BACKENDS))["a"] == 199
+        assert (await index.match(list(range(1, 300)), INDEX_BACKENDS))["a"] == 199
         after = calls()
         assert after["cmdstat_evalsha"] - before["cmdstat_evalsha"] == 1
         assert after.get("cmdstat_eval", 0) == before.get("cmdstat_eval", 0)
@@ -88,30 +51,33 @@ async def test_match_is_one_round_trip(server):
 
 
 @pytest.mark.parametrize("eviction", ["lru", "lfu"])
-async def test_capacity_and_eviction_agree_with_the_memory_index(server, eviction):
+async def test_capacity_and_eviction_agree_with_the_memory_index(redis_server, eviction):
     """Random traffic through both indexes gives the same beliefs: same capacity, same victims."""
     rng = random.Random(4)
     memory = MemoryIndex(10_000, block_set_factory(eviction))
-    for name in BACKENDS:
+    for name in INDEX_BACKENDS:
         memory.add_backend(name, 12)
     roots = [rng.randrange(1 << 63) for _ in range(8)]
     chains = [[root, *(rng.randrange(1 << 64) for _ in range(rng.randint(0, 9)))] for root in roots]
-    async with open_index({"url": server.url}, backend_capacity_blocks=12, eviction=eviction) as (index, _):
+    async with open_index({"url": redis_server.url}, backend_capacity_blocks=12, eviction=eviction) as (
+        index,
+        _,
+    ):
         for _ in range(120):
             chain = rng.choice(chains)[: rng.randint(1, 10)]
-            backend = rng.choice(BACKENDS)
+            backend = rng.choice(INDEX_BACKENDS)
             memory.record(backend, chain)
             index.record(backend, chain)
         await index.flush()
         for chain in chains:
-            assert await index.match(chain, BACKENDS) == await memory.match(chain, BACKENDS)
-        for name in BACKENDS:
+            assert await index.match(chain, INDEX_BACKENDS) == await memory.match(chain, INDEX_BACKENDS)
+        for name in INDEX_BACKENDS:
             assert index.blocks_of(name) == memory.blocks_of(name) <= 12
         assert index.evictions == memory.evictions > 0
 
 
-async def test_ttl_eviction_forgets_blocks_unused_for_the_ttl(server):
-    async with open_index({"url": server.url}, eviction="ttl", ttl_s=0.3) as (index, metrics):
+async def test_ttl_eviction_forgets_blocks_unused_for_the_ttl(redis_server):
+    async with open_index({"url": redis_server.url}, eviction="ttl", ttl_s=0.3) as (index, metrics):
         index.record("a", [1, 2])
         await index.flush()
         assert await index.match([1, 2], ["a"]) == {"a": 2}
@@ -119,30 +85,30 @@ async def test_ttl_eviction_forgets_blocks_unused_for_the_ttl(server):
         async def aged_out() -> bool:
             return await index.match([1, 2], ["a"]) == {"a": 0}
 
-        await eventually(aged_out)  # lookups stop believing it without any write
+        await wait_for(aged_out, what="lookups to stop believing the block without any write")
         index.record("a", [3])
         await index.flush()
         # The next write removes the expired entries themselves.
-        assert server.client().zrange("{kvroute}:blocks:a", 0, -1) == [(3).to_bytes(8, "big")]
+        assert redis_server.client().zrange("{kvroute}:blocks:a", 0, -1) == [(3).to_bytes(8, "big")]
         assert index.evictions == 2
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 0
 
 
-async def test_global_budget_bounds_the_whole_index(server):
-    async with open_index({"url": server.url}, max_blocks=10) as (index, _):
+async def test_global_budget_bounds_the_whole_index(redis_server):
+    async with open_index({"url": redis_server.url}, max_blocks=10) as (index, _):
         index.record("a", list(range(1, 9)))
         index.record("b", list(range(101, 107)))
         await index.flush()
-        sizes = [server.client().zcard(f"{{kvroute}}:blocks:{n}") for n in ("a", "b")]
+        sizes = [redis_server.client().zcard(f"{{kvroute}}:blocks:{n}") for n in ("a", "b")]
         assert sum(sizes) == 10
 
 
-async def test_keys_carry_the_namespace_and_a_ttl(server):
-    redis = {"url": server.url, "namespace": "team-x", "key_ttl_s": 60}
-    async with open_index(redis) as (index, _), open_index({"url": server.url}) as (other, _):
+async def test_keys_carry_the_namespace_and_a_ttl(redis_server):
+    redis = {"url": redis_server.url, "namespace": "team-x", "key_ttl_s": 60}
+    async with open_index(redis) as (index, _), open_index({"url": redis_server.url}) as (other, _):
         index.record("a", [1, 2])
         await index.flush()
-        client = server.client()
+        client = redis_server.client()
         keys = sorted(k.decode() for k in client.keys("*"))
         assert keys == ["{team-x}:blocks:a", "{team-x}:clock"]
         assert 0 < client.pttl("{team-x}:blocks:a") <= 60_000
@@ -151,16 +117,18 @@ async def test_keys_carry_the_namespace_and_a_ttl(server):
         assert await other.match([1, 2], ["a"]) == {"a": 0}
 
 
-async def test_remove_backend_deletes_its_beliefs(server):
-    async with open_index({"url": server.url}) as (index, _):
+async def test_remove_backend_deletes_its_beliefs(redis_server):
+    async with open_index({"url": redis_server.url}) as (index, _):
         index.record("a", [1, 2])
         await index.flush()
         index.remove_backend("a")
-        await until(lambda: server.client().exists("{kvroute}:blocks:a") == 0)
+        await wait_for(
+            lambda: redis_server.client().exists("{kvroute}:blocks:a") == 0, what="backend a's blocks deleted"
+        )
 
 
-async def test_full_write_queue_drops_and_counts(server):
-    async with open_index({"url": server.url, "write_queue_size": 2}) as (index, metrics):
+async def test_full_write_queue_drops_and_counts(redis_server):
+    async with open_index({"url": redis_server.url, "write_queue_size": 2}) as (index, metrics):
         for i in range(5):  # no await in between: the writer cannot drain yet
             index.record("a", [i + 1])
         assert sample(metrics, "kvroute_index_dropped_updates_total", reason="queue_full") == 3
@@ -169,51 +137,51 @@ async def test_full_write_queue_drops_and_counts(server):
         assert index.local.blocks_of("a") == 5
 
 
-async def test_redis_down_falls_back_to_local_view_and_recovers(server, caplog):
+async def test_redis_down_falls_back_to_local_view_and_recovers(redis_server, caplog):
     caplog.set_level(logging.WARNING, logger="kvroute.redis")
-    redis = {"url": server.url, "retry_interval_s": 0.05}
+    redis = {"url": redis_server.url, "retry_interval_s": 0.05}
     async with open_index(redis) as (index, metrics):
         index.record("a", [1, 2, 3])
         await index.flush()
-        server.stop()
+        redis_server.stop()
         for _ in range(20):
-            assert await index.match([1, 2, 3], BACKENDS) == {"a": 3, "b": 0, "c": 0}
+            assert await index.match([1, 2, 3], INDEX_BACKENDS) == {"a": 3, "b": 0, "c": 0}
         assert sample(metrics, "kvroute_redis_up") == 0
         assert sample(metrics, "kvroute_redis_fallbacks_total") >= 19
         assert sample(metrics, "kvroute_redis_errors_total", op="match", kind="connection") >= 1
         down = [r for r in caplog.records if "Redis unavailable" in r.getMessage()]
         assert len(down) == 1  # once per episode, not per request
 
-        server.start()  # empty: a restarted Redis without persistence
-        await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
+        redis_server.start()  # empty: a restarted Redis without persistence
+        await wait_for(lambda: sample(metrics, "kvroute_redis_up") == 1, what="Redis counted as up again")
         assert any("Redis is back" in r.getMessage() for r in caplog.records)
         fallbacks = sample(metrics, "kvroute_redis_fallbacks_total")
-        assert await index.match([1, 2, 3], BACKENDS) == {"a": 0, "b": 0, "c": 0}  # shared again
+        assert await index.match([1, 2, 3], INDEX_BACKENDS) == {"a": 0, "b": 0, "c": 0}  # shared again
         assert sample(metrics, "kvroute_redis_fallbacks_total") == fallbacks
 
 
-async def test_slow_redis_times_out_to_the_local_view(server):
-    redis = {"url": server.url, "timeout_ms": 20, "trip_after": 2, "retry_interval_s": 0.05}
+async def test_slow_redis_times_out_to_the_local_view(redis_server):
+    redis = {"url": redis_server.url, "timeout_ms": 20, "trip_after": 2, "retry_interval_s": 0.05}
     async with open_index(redis) as (index, metrics):
         index.record("b", [5, 6])
         await index.flush()
         # CLIENT PAUSE holds every other client's commands: Redis answers, just too late.
-        server.client().execute_command("CLIENT", "PAUSE", 1000, "ALL")
+        redis_server.client().execute_command("CLIENT", "PAUSE", 1000, "ALL")
         for _ in range(4):
             assert await index.match([5, 6], ["b"]) == {"b": 2}
         # Two calls waited for their deadline; then Redis counted as down and no call went to it.
         assert sample(metrics, "kvroute_redis_errors_total", op="match", kind="timeout") == 2
         assert sample(metrics, "kvroute_redis_up") == 0
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 4
-        await until(lambda: sample(metrics, "kvroute_redis_up") == 1)
+        await wait_for(lambda: sample(metrics, "kvroute_redis_up") == 1, what="Redis counted as up again")
         assert await index.match([5, 6], ["b"]) == {"b": 2}
         assert sample(metrics, "kvroute_redis_fallbacks_total") == 4
 
 
-async def test_connections_are_open_before_the_first_lookup(server):
+async def test_connections_are_open_before_the_first_lookup(redis_server):
     # A lookup that must connect first pays a connect and a handshake on the request path.
-    admin = server.client()
-    async with open_index({"url": server.url}) as (index, metrics):
+    admin = redis_server.client()
+    async with open_index({"url": redis_server.url}) as (index, metrics):
         assert admin.info("clients")["connected_clients"] >= WARM_CONNECTIONS + 1  # + admin
         connections = admin.info("stats")["total_connections_received"]
         index.record("b", [5, 6])

@@ -9,7 +9,7 @@ import pytest
 from aiohttp import web
 
 from router.http.protocol_errors import OpenAIErrorRunner
-from tests.conftest import backends_of
+from tests.helpers import backends_of
 
 LIMITS = {"max_line_size": 1024, "max_field_size": 512, "max_headers": 20}
 

@@ -9,16 +9,14 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import time
 from pathlib import Path
 from typing import Any
 
 import aiohttp
 import yaml
 
-from tests.conftest import backends_of
+from tests.helpers import backends_of, kvroute, wait_for
 from tests.redis_servers import free_port, redis_server
-from tests.test_redis_workers import kvroute
 
 WORKERS = 2
 ADMIN = {"Authorization": "Bearer admin-workers-key"}
@@ -46,19 +44,22 @@ async def worker_configs(url: str) -> dict[int, dict[str, Any]]:
 async def every_worker_shows(url: str, max_attempts: int, timeout: float = 30.0) -> set[int]:
     """Poll until ``WORKERS`` distinct workers each answered with ``max_attempts``; their pids."""
     latest: dict[int, int] = {}
-    deadline = time.monotonic() + timeout
-    while True:
+
+    async def every_worker_answered() -> bool:
         try:
             for pid, config in (await worker_configs(url)).items():
                 latest[pid] = config["upstream"]["max_attempts"]
         except aiohttp.ClientConnectionError:
             pass  # workers still starting
-        done = [pid for pid, value in latest.items() if value == max_attempts]
-        if len(done) == WORKERS and len(latest) == WORKERS:
-            return set(done)
-        if time.monotonic() > deadline:
-            raise AssertionError(f"workers did not all show max_attempts={max_attempts}: {latest}")
-        await asyncio.sleep(0.02)
+        return len(latest) == WORKERS and all(value == max_attempts for value in latest.values())
+
+    await wait_for(
+        every_worker_answered,
+        what=f"all {WORKERS} workers to show max_attempts={max_attempts}",
+        timeout=timeout,
+        detail=lambda: f"max_attempts by worker pid: {latest}",
+    )
+    return set(latest)
 
 
 async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
@@ -104,11 +105,15 @@ async def test_a_reload_asked_while_workers_start_waits_for_them(tmp_path, fleet
         log = tmp_path / "log"
         write(config, port, backends_of(fleet), server.url, max_attempts=1)
         process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=log)
+
+        def workers_started() -> bool:
+            assert process.poll() is None, "the supervisor exited"
+            return f"with {WORKERS} workers" in (log.read_text() if log.exists() else "")
+
         try:
-            deadline = time.monotonic() + 30
-            while f"with {WORKERS} workers" not in (log.read_text() if log.exists() else ""):
-                assert process.poll() is None and time.monotonic() < deadline
-                await asyncio.sleep(0.005)
+            await wait_for(
+                workers_started, what=f"the supervisor to start {WORKERS} workers", timeout=30, interval=0.005
+            )
             write(config, port, backends_of(fleet), server.url, max_attempts=2)
             process.send_signal(signal.SIGHUP)
             await every_worker_shows(url, 2)

@@ -1,0 +1,190 @@
+"""Settings of the fleet: ``backends``, ``health``, ``engine_metrics``, ``discovery``, and the
+one list of engine kinds.
+
+Each section's type lives beside the code that reads it, at the bottom of the wing: it
+imports nothing of ``router`` above it, so every wing (and the command line, the simulator)
+may import it. Ranges are declared on the fields (``policies.params``); rules tying fields
+together are in ``validate``.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import os
+import typing
+from dataclasses import dataclass, field
+from typing import Annotated, Literal
+
+import msgspec
+
+from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
+from router.kv_events.settings import EndpointConfig
+
+#: The engines kvroute speaks to (``backends[].engine``): their metrics adapter, KV event
+#: format and event-source discovery differ. The command line and the simulator take it from here.
+EngineKind = Literal["vllm", "sglang"]
+ENGINE_KINDS: tuple[EngineKind, ...] = typing.get_args(EngineKind)
+
+HttpUrl = Annotated[
+    str,
+    msgspec.Meta(
+        pattern=r"^https?://([^/?#@]*@)?(\[[0-9A-Fa-f:.]+\]|[^/?#@:\[\]]+)(:[0-9]*)?([/?#]|$)",
+        extra={"expected": "an http:// or https:// URL"},
+    ),
+]
+Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
+
+
+@dataclass(frozen=True)
+class BackendConfig:
+    """One entry of ``backends``: an engine the router sends requests to."""
+
+    name: NonEmptyStr
+    url: HttpUrl
+    engine: EngineKind = "vllm"
+    #: Models served; when absent they are read from the backend's ``/v1/models``.
+    models: list[NonEmptyStr] | None = None
+    #: Believed KV capacity in prefix blocks; defaults to ``index.backend_capacity_blocks``.
+    capacity_blocks: PositiveInt | None = None
+    #: Start out of rotation (draining): no new requests; undrain through the admin API.
+    drain: bool = False
+    #: With ``index.mode: events``, where the engine publishes KV events (see EndpointConfig);
+    #: absent: asked of the engine (vLLM ``/kv_event_sources``, SGLang ``/server_info``).
+    kv_events: EndpointConfig | None = None
+    #: Credential the engine expects (vLLM ``--api-key``), sent upstream as ``Authorization: Bearer``
+    #: in place of the client's; given inline or as the name of an environment variable. Never
+    #: shown by the admin API, never logged (``repr=False``), never returned to clients.
+    api_key: str | None = field(default=None, repr=False)
+    api_key_env: str | None = None
+
+    @property
+    def upstream_api_key(self) -> str | None:
+        """The engine's credential, from ``api_key`` or the environment (read once validated)."""
+        if self.api_key_env is not None:
+            return os.environ.get(self.api_key_env) or None
+        return self.api_key
+
+    def validate(self) -> list[str]:
+        if self.api_key is not None and self.api_key_env is not None:
+            return ["api_key: give at most one of api_key, api_key_env"]
+        if self.api_key_env is not None and not os.environ.get(self.api_key_env):
+            return [f"api_key_env: environment variable {self.api_key_env} is not set or empty"]
+        return []
+
+
+@dataclass(frozen=True)
+class HealthConfig:
+    """``health``: active checks and passive ejection of backends."""
+
+    #: Seconds between active ``GET /health`` checks of each backend.
+    interval_s: PositiveFloat = 5.0
+    timeout_s: PositiveFloat = 2.0
+    #: Consecutive failed checks before a backend leaves rotation (one success brings it back).
+    unhealthy_after: PositiveInt = 2
+    #: Seconds between refreshes of ``/v1/models`` for backends without configured models.
+    models_refresh_s: PositiveFloat = 30.0
+    #: Passive ejection: consecutive failed requests (connection error, timeout, 5xx; never a
+    #: 4xx) that take a backend out of rotation, for ``eject_s`` at first, doubling on each
+    #: failed re-admission trial up to ``max_eject_s`` (see router/fleet/circuit.py).
+    eject_after: PositiveInt = 5
+    eject_s: PositiveFloat = 10.0
+    max_eject_s: PositiveFloat = 300.0
+
+    def validate(self) -> list[str]:
+        return ["max_eject_s: expected at least eject_s"] if self.max_eject_s < self.eject_s else []
+
+
+@dataclass(frozen=True)
+class EngineMetricsConfig:
+    """``engine_metrics``: scraping each engine's ``/metrics`` for its queue and KV usage."""
+
+    enabled: bool = True
+    interval_s: PositiveFloat = 0.5
+    timeout_s: PositiveFloat = 1.0
+    #: A scrape older than this is not shown to the policies (they see None, not old numbers).
+    stale_after_s: PositiveFloat = 2.0
+
+    def validate(self) -> list[str]:
+        if self.stale_after_s <= self.interval_s:
+            return ["stale_after_s: expected more than interval_s"]
+        return []
+
+
+@dataclass(frozen=True)
+class DiscoveredBackend:
+    """What every discovered endpoint becomes: ``scheme://address:port`` of this engine kind."""
+
+    port: Port = 8000
+    scheme: Literal["http", "https"] = "http"
+    engine: EngineKind = "vllm"
+    #: Models served; when absent they are read from each backend's ``/v1/models``.
+    models: list[NonEmptyStr] | None = None
+    capacity_blocks: PositiveInt | None = None
+
+
+@dataclass(frozen=True)
+class DnsDiscoveryConfig(DiscoveredBackend):
+    """``discovery.dns``: the A records of a name (a Kubernetes headless Service), re-resolved."""
+
+    #: The name to resolve; required with ``discovery.kind: dns``.
+    name: str = ""
+    interval_s: PositiveFloat = 10.0
+    #: Resolvers to ask (IP addresses); empty uses the system's (/etc/resolv.conf).
+    nameservers: list[str] = field(default_factory=list)
+    nameserver_port: Port = 53
+    timeout_s: PositiveFloat = 2.0
+
+    def validate(self) -> list[str]:
+        problems = []
+        for server in self.nameservers:
+            try:
+                ipaddress.ip_address(server)
+            except ValueError:
+                problems.append(f"nameservers: expected IP addresses, got {server!r}")
+        return problems
+
+
+_SERVICE_ACCOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+
+@dataclass(frozen=True)
+class KubernetesDiscoveryConfig(DiscoveredBackend):
+    """``discovery.kubernetes``: EndpointSlices matching a label selector, watched."""
+
+    #: Which EndpointSlices, e.g. ``app=vllm``; required with ``discovery.kind: kubernetes``.
+    label_selector: str = ""
+    #: Namespace to watch; empty reads the pod's own (``namespace_file``).
+    namespace: str = ""
+    #: The EndpointSlice port to use, by name; empty uses ``port``.
+    port_name: str = ""
+    #: API server; empty uses the in-cluster one (KUBERNETES_SERVICE_HOST/PORT).
+    api_url: Annotated[
+        str, msgspec.Meta(pattern=r"^($|https?://)", extra={"expected": "an http:// or https:// URL"})
+    ] = ""
+    token_file: str = f"{_SERVICE_ACCOUNT}/token"
+    ca_file: str = f"{_SERVICE_ACCOUNT}/ca.crt"
+    namespace_file: str = f"{_SERVICE_ACCOUNT}/namespace"
+    #: Server-side bound of one watch call, after which it is re-opened from the last version.
+    watch_timeout_s: PositiveInt = 300
+    #: Wait before re-listing after the API server failed or the watch expired.
+    retry_s: PositiveFloat = 2.0
+
+
+@dataclass(frozen=True)
+class DiscoveryConfig:
+    """``discovery``: where backends come from besides the static ``backends`` list.
+
+    Both sources' sections are always typed (their keys and ranges are checked); what only the
+    chosen one needs (a name to resolve, a label selector) is required only for it.
+    """
+
+    kind: Literal["static", "dns", "kubernetes"] = "static"
+    dns: DnsDiscoveryConfig = field(default_factory=DnsDiscoveryConfig)
+    kubernetes: KubernetesDiscoveryConfig = field(default_factory=KubernetesDiscoveryConfig)
+
+    def validate(self) -> list[str]:
+        if self.kind == "dns" and not self.dns.name:
+            return ["dns.name: expected the DNS name to resolve"]
+        if self.kind == "kubernetes" and not self.kubernetes.label_selector:
+            return ["kubernetes.label_selector: expected a selector such as app=vllm"]
+        return []

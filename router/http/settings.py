@@ -1,0 +1,210 @@
+"""Settings of the HTTP surface: ``listen``, ``limits``, ``auth``, ``admin``.
+
+Each section's type lives beside the code that reads it, at the bottom of the wing: it
+imports nothing of ``router`` above it, so ``router.config`` assembles it without importing
+the HTTP code (validating the config once reached up into ``auth.py`` for its key files).
+Ranges are declared on the fields (``policies.params``); rules tying fields together, and
+reading the key files, are in ``validate``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Annotated, Any
+
+import msgspec
+import yaml
+from msgspec import UNSET, UnsetType
+
+from policies.params import NonEmptyStr, NonNegativeFloat, PositiveFloat, PositiveInt
+
+#: One tenant's client keys: a key, or a list of keys.
+TenantKeys = Annotated[str | list[str], msgspec.Meta(extra={"expected": "a key or a list of keys"})]
+#: 0 takes any free port (tests, ``kvroute demo``).
+ListenPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+
+
+@dataclass(frozen=True)
+class ListenConfig:
+    """``listen`` (and ``admin.listen``): where the router accepts connections."""
+
+    host: str = "127.0.0.1"
+    port: ListenPort = 8080
+    #: On SIGTERM: stop accepting, then give in-flight responses this long before exiting anyway.
+    drain_timeout_s: NonNegativeFloat = 60.0
+
+
+@dataclass(frozen=True)
+class TenantLimits:
+    """One tenant's limits (router/http/ratelimit.py); null means unlimited."""
+
+    #: Sustained requests per second (the request bucket's refill rate).
+    requests_per_s: PositiveFloat | None = None
+    #: Requests admitted back to back after a quiet spell; default max(1, requests_per_s).
+    request_burst: PositiveFloat | None = None
+    #: Sustained prompt tokens per second (estimated from characters).
+    prompt_tokens_per_s: PositiveFloat | None = None
+    #: Prompt tokens admitted back to back; default one second's worth.
+    prompt_token_burst: PositiveFloat | None = None
+    #: Requests of the tenant in flight at once (a stream counts until it ends).
+    max_concurrent: PositiveInt | None = None
+
+    @property
+    def unlimited(self) -> bool:
+        return (
+            self.requests_per_s is None and self.prompt_tokens_per_s is None and self.max_concurrent is None
+        )
+
+
+@dataclass(frozen=True)
+class TenantOverride:
+    """``limits.tenants.<name>``: the keys of TenantLimits this tenant has its own value for.
+
+    A key left out keeps ``tenant_default``'s value, a key given as null is unlimited: the two
+    differ, so a left-out key is ``UNSET`` (msgspec's marker for it), not None.
+    """
+
+    requests_per_s: PositiveFloat | UnsetType | None = UNSET
+    request_burst: PositiveFloat | UnsetType | None = UNSET
+    prompt_tokens_per_s: PositiveFloat | UnsetType | None = UNSET
+    prompt_token_burst: PositiveFloat | UnsetType | None = UNSET
+    max_concurrent: PositiveInt | UnsetType | None = UNSET
+
+    def over(self, default: TenantLimits) -> TenantLimits:
+        """``default`` with this tenant's own values in place."""
+        given = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        return dataclasses.replace(default, **{k: v for k, v in given.items() if v is not UNSET})
+
+
+@dataclass(frozen=True)
+class LimitsConfig:
+    """``limits``: request sizes (fixed in the HTTP server) and per-tenant rates and caps."""
+
+    #: Largest accepted request body; larger ones get 413.
+    max_body_bytes: PositiveInt = 32 * 1024 * 1024
+    #: Longest request line, longest header field, and most header fields (beyond: 400).
+    max_line_size: PositiveInt = 8190
+    max_field_size: PositiveInt = 8190
+    max_headers: PositiveInt = 128
+    #: Rate limits and concurrency cap of every tenant without its own entry (router/http/ratelimit.py).
+    tenant_default: TenantLimits = field(default_factory=TenantLimits)
+    #: Per-tenant overrides: tenant name -> the keys of ``tenant_default`` that differ.
+    tenants: dict[str, TenantOverride] = field(default_factory=dict)
+
+    def tenant_limits(self) -> dict[str, TenantLimits]:
+        """Each named tenant's limits: its overrides merged key by key over ``tenant_default``."""
+        return {name: override.over(self.tenant_default) for name, override in self.tenants.items()}
+
+
+@dataclass(frozen=True)
+class AuthConfig:
+    """``auth``: client API keys, each mapped to its tenant (router/http/auth.py).
+
+    Keys come from ``keys`` (tenant -> key or list of keys), ``keys_file`` (a YAML file of the
+    same mapping) and ``keys_dir`` (a mounted Kubernetes Secret: one file per tenant, named by
+    it, holding its keys one per line), all merged. With any key configured, every API request
+    needs ``Authorization: Bearer <key>`` and its tenant is the key's. The files are read when
+    the config is validated (at start and on each reload) and again when the keys are applied.
+    """
+
+    keys: dict[str, TenantKeys] = field(default_factory=dict, repr=False)
+    keys_file: str | None = None
+    keys_dir: str | None = None
+    #: With keys configured, still take the tenant from ``tenancy.header`` when present: only
+    #: for a trusted gateway in front that sets it (clients could otherwise pick any tenant).
+    trust_tenant_header: bool = False
+
+    def validate(self) -> list[str]:
+        try:
+            self.tenant_keys()
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+    def tenant_keys(self) -> dict[str, list[str]]:
+        """Every configured key by its tenant, from all sources; ValueError naming the fault."""
+        sources: list[tuple[str, Mapping[Any, Any]]] = [("keys", self.keys)]
+        if self.keys_file is not None:
+            try:
+                raw = yaml.safe_load(Path(self.keys_file).read_text(encoding="utf-8"))
+            except OSError as exc:
+                raise ValueError(f"keys_file: cannot read {self.keys_file}: {exc.strerror}") from None
+            except yaml.YAMLError as exc:
+                raise ValueError(f"keys_file: {self.keys_file} is not valid YAML: {exc}") from None
+            if not isinstance(raw, Mapping):
+                raise ValueError(f"keys_file: {self.keys_file} must map each tenant to its key(s)")
+            sources.append((f"keys_file {self.keys_file}", raw))
+        if self.keys_dir is not None:
+            try:
+                sources.append((f"keys_dir {self.keys_dir}", _read_keys_dir(Path(self.keys_dir))))
+            except OSError as exc:
+                raise ValueError(f"keys_dir: cannot read {self.keys_dir}: {exc.strerror}") from None
+        tenants: dict[str, list[str]] = {}
+        owner: dict[str, str] = {}
+        for where, mapping in sources:
+            for tenant, value in mapping.items():
+                if not isinstance(tenant, str) or not tenant:
+                    raise ValueError(f"{where}: tenant names must be non-empty strings, got {tenant!r}")
+                for key in _keys_of(tenant, value, where):
+                    if owner.setdefault(key, tenant) != tenant:
+                        raise ValueError(
+                            f"{where}: one key is given to two tenants ({owner[key]!r}, {tenant!r})"
+                        )
+                    tenants.setdefault(tenant, []).append(key)
+        return tenants
+
+
+def _keys_of(tenant: str, value: Any, where: str) -> list[str]:
+    keys = [value] if isinstance(value, str) else value
+    if not isinstance(keys, list) or not keys or not all(isinstance(k, str) and k.strip() for k in keys):
+        raise ValueError(f"{where}: expected a key or a list of keys for tenant {tenant!r}")
+    return [k.strip() for k in keys]
+
+
+def _read_keys_dir(path: Path) -> dict[str, list[str]]:
+    """A mounted Secret: one file per tenant. Kubernetes' own ``..data`` links and dirs are skipped."""
+    found: dict[str, list[str]] = {}
+    for entry in sorted(path.iterdir()):
+        if entry.name.startswith(".") or not entry.is_file():
+            continue
+        keys = [line.strip() for line in entry.read_text(encoding="utf-8").splitlines() if line.strip()]
+        found[entry.name] = _keys_of(entry.name, keys, f"keys_dir {path}/{entry.name}")
+    return found
+
+
+@dataclass(frozen=True)
+class AdminConfig:
+    """``admin``: who may call the admin API (drain, reload, debug views), and where it listens."""
+
+    #: The admin key, inline, from an environment variable, or from a file (at most one). Without
+    #: one the admin API is open to whoever reaches it: bind it to a private ``listen`` then.
+    key: NonEmptyStr | None = field(default=None, repr=False)
+    key_env: str | None = None
+    key_file: str | None = None
+    #: ``{host, port}`` to serve the admin API on its own listener (and not on the main one).
+    listen: ListenConfig | None = None
+
+    def admin_key(self) -> str | None:
+        """The configured admin key, read from its source now (None: the admin API is open)."""
+        if self.key_env is not None:
+            return os.environ.get(self.key_env) or None
+        if self.key_file is not None:
+            return Path(self.key_file).read_text(encoding="utf-8").strip() or None
+        return self.key
+
+    def validate(self) -> list[str]:
+        if sum(x is not None for x in (self.key, self.key_env, self.key_file)) > 1:
+            return ["key: give at most one of key, key_env, key_file"]
+        if self.key_env is not None and not os.environ.get(self.key_env):
+            return [f"key_env: environment variable {self.key_env} is not set or empty"]
+        if self.key_file is not None:
+            try:
+                if not Path(self.key_file).read_text(encoding="utf-8").strip():
+                    return [f"key_file: {self.key_file} is empty"]
+            except OSError as exc:
+                return [f"key_file: cannot read {self.key_file}: {exc.strerror}"]
+        return []

@@ -1,0 +1,101 @@
+"""Settings of the request path: ``routing``, ``upstream``, ``tenancy``, ``index.tokenizer``.
+
+Each section's type lives beside the code that reads it, at the bottom of the wing: it
+imports nothing of ``router`` above it, so every wing may import it. Ranges are declared on
+the fields (``policies.params``); rules tying fields together are in ``validate``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from importlib.util import find_spec
+from pathlib import Path
+from typing import Any, Literal
+
+from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
+
+
+@dataclass(frozen=True)
+class RoutingConfig:
+    """``routing``: the policy and its parameters.
+
+    ``params`` stay a mapping here: their type is the policy's own ``Params`` dataclass, known
+    only once ``policy`` is resolved. ``router.config`` builds the policy from them once, at
+    load, and the loaded config holds it (``Config.policy``), parameters parsed.
+    """
+
+    #: A built-in policy's name, or a user's own as ``module:Class``.
+    policy: NonEmptyStr = "prefix_aware"
+    params: dict[str, Any] = field(default_factory=dict)
+    #: Seed for the policy's tie-breaking; null draws one at start.
+    seed: int | None = None
+    #: Header whose value keeps a session together (session-aware policies); else the body's ``user``.
+    session_header: str = "x-session-id"
+
+
+@dataclass(frozen=True)
+class UpstreamConfig:
+    """``upstream``: timeouts and retries of the requests to the engines."""
+
+    connect_timeout_s: PositiveFloat = 5.0
+    #: Idle stream: longest silence from a backend between two chunks, once it began sending.
+    read_timeout_s: PositiveFloat = 600.0
+    #: Longest wait from sending a request to the response's first body byte (queue + prefill;
+    #: for a non-streamed request, the whole generation).
+    first_byte_timeout_s: PositiveFloat = 300.0
+    #: Backends tried for one request when the chosen one fails before sending anything.
+    max_attempts: PositiveInt = 2
+    #: Total time to get a first byte, over all attempts: no attempt starts after it, and an
+    #: attempt's first-byte wait is cut short at it.
+    retry_deadline_s: PositiveFloat = 600.0
+    #: An idle keep-alive connection to a backend is reused only this long, kept under the
+    #: engines' own keep-alive timeout (uvicorn's 5 s, which vLLM and SGLang serve with), so the
+    #: router does not send a request on a connection the engine is closing at that moment.
+    keepalive_s: PositiveFloat = 4.0
+
+
+@dataclass(frozen=True)
+class TenancyConfig:
+    """``tenancy``: which tenant a request belongs to (cache salt and limits)."""
+
+    #: Header naming the tenant (set by a trusted gateway in front of kvroute).
+    header: str = "x-kvroute-tenant"
+    #: Without that header, derive the tenant from a hash of the request's bearer API key.
+    from_api_key: bool = True
+
+
+@dataclass(frozen=True)
+class TokenizerConfig:
+    """``index.tokenizer``: how the router turns a request into the engine's token ids.
+
+    Used only with ``index.mode: events``; its files and packages are checked then (see
+    ``IndexConfig.validate``), so an approximate-mode config never needs them.
+    """
+
+    #: ``hf``: a local tokenizer.json (needs the ``precise`` extra); ``chunk``: the simulated
+    #: engines' tokenizer (``chars_per_token`` characters per token), for tests and benchmarks.
+    kind: Literal["hf", "chunk"] = "hf"
+    #: ``hf``: path of the model's ``tokenizer.json``.
+    path: str | None = None
+    #: ``hf``: the chat template, as a ``tokenizer_config.json`` or a ``.jinja`` file; default:
+    #: the ``tokenizer_config.json`` next to ``path``.
+    chat_template: str | None = None
+    #: ``chunk``: characters per token.
+    chars_per_token: PositiveInt = 4
+
+    def missing(self) -> list[str]:
+        """What keeps this tokenizer from loading now (packages, files), as ``key: why`` messages."""
+        needed = ("jinja2", "tokenizers") if self.kind == "hf" else ("jinja2",)
+        absent = [name for name in needed if find_spec(name) is None]
+        if absent:
+            return [f"kind: needs {', '.join(absent)}; install kvroute[precise]"]
+        if self.kind != "hf":
+            return []
+        if not self.path:
+            return ["path: required with kind: hf (the model's tokenizer.json)"]
+        problems = []
+        if not Path(self.path).is_file():
+            problems.append(f"path: no such file {self.path!r}")
+        if self.chat_template and not Path(self.chat_template).is_file():
+            problems.append(f"chat_template: no such file {self.chat_template!r}")
+        return problems
