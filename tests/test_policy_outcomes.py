@@ -10,6 +10,7 @@ import aiohttp
 from loadtest.sim.fleet import SimFleet
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, Decision, Outcome, RequestView
+from router.fleet.circuit import CircuitState
 from router.http.app import DISPATCHER, POOL
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, backends
@@ -90,20 +91,27 @@ async def test_outcomes_of_served_failed_retried_and_passed_through_attempts(
 async def test_a_client_that_went_away_is_an_outcome_and_releases_every_ledger(
     fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:
-    (f0,) = await fault_engines("hang")
-    router = await make_router(backends([f0]), routing={"policy": RECORDER}, health={"eject_after": 1})
+    """The client's task is cancelled while the attempt holds the half-open circuit's one trial."""
+    (f0,) = await fault_engines("status")
+    f0.status = 500
+    health = {"eject_after": 1, "eject_s": 0.2}
+    router = await make_router(backends([f0]), routing={"policy": RECORDER}, health=health)
     backend = router.app[POOL]["f0"]
+    assert await post(http, router, stream=True) == 500  # the verdict opens the circuit
+    await wait_for(lambda: backend.routable, what="the circuit half-open, its trial free")
+    f0.mode = "hang"
     request = asyncio.create_task(post(http, router, stream=True))
-
     await wait_for(
-        lambda: f0.received == 1 and backend.pending_prefill_tokens > 0, what="the request held by the engine"
+        lambda: f0.received == 2 and backend.pending_prefill_tokens > 0, what="the request held by the engine"
     )
+    assert backend.in_flight == 1 and not backend.routable  # this attempt is the trial
     request.cancel()
-    await wait_for(lambda: len(told(router)) == 1, what="the outcome of the cancelled attempt")
-    (gone,) = told(router)
+    await wait_for(lambda: len(told(router)) == 2, what="the outcome of the cancelled attempt")
+    gone = told(router)[1]
     assert (gone.backend, gone.error, gone.status, gone.ttft_s) == ("f0", "client_gone", None, None)
     assert (backend.in_flight, backend.pending_prefill_tokens) == (0, 0)
-    assert backend.routable  # a client that left is no verdict on the backend
+    # The trial is free again, and a client that left is no verdict on the backend.
+    assert backend.routable and backend.circuit.state is CircuitState.HALF_OPEN
     await wait_released(http, router.url)
 
 
