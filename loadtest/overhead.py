@@ -348,7 +348,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
         if args.profile and kvroute_pid:
             profiler = Profiler(kvroute_pid, Path(args.profile) / "kvroute.txt")
         for number in range(1, args.rounds + 1):
-            for contender in running:
+            # Each round starts one contender later: whoever runs right after another on a
+            # warm machine measured up to 15 % cheaper here, so no contender keeps one place.
+            shift = (number - 1) % len(running)
+            for contender in running[shift:] + running[:shift]:
                 print(f"round {number}/{args.rounds}: {contender.name}", flush=True)
                 await measure_round(contender, results[contender.name], args)
     finally:

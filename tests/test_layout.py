@@ -7,6 +7,9 @@ The import graph is read from every module's AST, imports inside functions and u
 from __future__ import annotations
 
 import ast
+import importlib
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -29,7 +32,9 @@ ROUTER_LAYERS = (
     "router.metrics",
     "router.tasks",
     "router.errors",
+    "router.exports",
 )
+WINGS = ("http", "request_path", "kv_events", "fleet", "index", "redis")
 
 
 def _module_name(path: Path) -> str:
@@ -162,3 +167,26 @@ def test_router_wings_import_only_their_own_or_lower_wings() -> None:
         if (target_rank := _layer(target)) is not None and target_rank < rank
     )
     assert upward == []
+
+
+@pytest.mark.parametrize("wing", WINGS)
+def test_each_wing_exports_its_public_names(wing: str) -> None:
+    package = importlib.import_module(f"router.{wing}")
+    assert package.__all__, f"router.{wing} exports nothing"
+    for name in package.__all__:
+        assert getattr(package, name) is not None
+    with pytest.raises(AttributeError, match="no attribute 'nothing_of_that_name'"):
+        package.nothing_of_that_name  # noqa: B018
+
+
+def test_loading_the_config_imports_no_wing_beyond_its_settings() -> None:
+    """The config imports each wing's settings; the wings' exports must not drag the rest in."""
+    probe = (
+        "import sys, router.config; "
+        "print(sorted(m for m in sys.modules if m.startswith('router.') and m.count('.') > 1 "
+        "and not m.endswith('.settings')))"
+    )
+    loaded = subprocess.run(
+        [sys.executable, "-c", probe], capture_output=True, text=True, check=True, cwd=ROOT
+    )
+    assert loaded.stdout.strip() == "[]"

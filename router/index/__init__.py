@@ -1,11 +1,24 @@
-"""The prefix index: which backends are believed to hold which block chains.
+"""The prefix index: which backends are believed to hold which block chains, keyed how.
 
-:func:`router.index.build.build_index` builds the one index a config asks for. It is not
-re-exported here: it imports the config, and the config imports this package's settings
-(``router.index.settings``), so importing it here would make the config's import a circle.
+:func:`~router.index.build.build_index` builds the one index a config asks for.
 """
 
-from router.index.base import Candidate, PrefixIndex
-from router.index.memory import MemoryIndex
+from router.exports import lazy_exports
 
-__all__ = ["Candidate", "MemoryIndex", "PrefixIndex"]
+_EXPORTS = {
+    "PrefixIndex": "base",
+    "Candidate": "base",
+    "MemoryIndex": "memory",
+    "PreciseIndex": "precise",
+    "RedisIndex": "redis_store",
+    "build_index": "build",
+    "PrefixHasher": "keys",
+    "chain_seed": "keys",
+    "block_keys": "keys",
+    "BlockStored": "events",
+    "BlockRemoved": "events",
+    "AllBlocksCleared": "events",
+    "EventBatch": "events",
+}
+__all__ = sorted(_EXPORTS)
+__getattr__, __dir__ = lazy_exports(__name__, _EXPORTS)
