@@ -63,7 +63,9 @@ async def test_sentinel_failover_moves_the_shared_state_to_the_new_master():
                 async def replicated() -> bool:
                     return replica.client().zcard("{kvroute}:blocks:a") == 2
 
-                await wait_for(replicated, what="the blocks replicated")
+                # A replica's first sync forks the master and loads its snapshot: seconds on a
+                # busy machine (CI saw it pass 5 s), so this waits longer than most conditions.
+                await wait_for(replicated, what="the blocks replicated", timeout=20.0)
                 master.stop()
                 # Down: routed on the local view until the sentinel promotes the replica.
                 assert await index.match([1, 2], ["a"]) == {"a": 2}
