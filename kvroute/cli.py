@@ -13,7 +13,7 @@ import sys
 
 from router.config import ConfigError, load_config
 from router.fleet.settings import ENGINE_KINDS
-from router.http.server import run_event_loop
+from router.tasks import run_event_loop
 
 
 def _serve(args: argparse.Namespace) -> int:

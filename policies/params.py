@@ -145,9 +145,17 @@ def _rules_broken(result: Any) -> list[str]:
     if check is None:
         return []
     try:
-        return list(check() or ())
+        broken = check()
     except ValueError as exc:
         return [str(exc)]
+    # A rule may return its messages, one message, nothing, or a bare verdict (True: all good).
+    if isinstance(broken, str):
+        return [broken]
+    if broken is False:
+        return ["validate: returned False (the values break a rule of their own)"]
+    if broken is None or broken is True:
+        return []
+    return list(broken)
 
 
 def _convert(tp: Any, value: Any, path: str, report: _Report) -> Any:

@@ -90,8 +90,8 @@ class Outcome:
     #: ``index.closed_loop: true`` for requests whose prompt it looked up, and only when the
     #: response carried them.
     cached_tokens: int | None
-    #: Seconds from the request's arrival at the router to the stream's first byte (None: not
-    #: a stream, whose first byte is its last, or no byte came).
+    #: Seconds from sending this attempt to the stream's first byte (None: not a stream, whose
+    #: first byte is its last, or no byte came). An earlier failed attempt's wait is not in it.
     ttft_s: float | None
     #: The engine's HTTP status as passed to the client (None: the client got none from it).
     status: int | None

@@ -82,12 +82,34 @@ class Config(ConfigFile):
 
     policy: RoutingPolicy = field(kw_only=True, compare=False, repr=False)
 
+    def __reduce__(self) -> tuple[Any, ...]:
+        """Pickled (to each ``serve --workers`` process), a config carries its document only and
+        builds its policy anew on arrival: every process draws its own seed when ``routing.seed``
+        is null, as it would have started alone, and a user's policy need not pickle."""
+        return (_with_policy, (ConfigFile(**_sections(self)),))
+
+
+def _sections(document: ConfigFile) -> dict[str, Any]:
+    return {f.name: getattr(document, f.name) for f in dataclasses.fields(ConfigFile)}
+
+
+def _with_policy(document: ConfigFile) -> Config:
+    """``document`` with its routing policy built (a validated document builds without error)."""
+    routing = document.routing
+    return Config(
+        **_sections(document), policy=build_policy(routing.policy, routing.params, seed=routing.seed)
+    )
+
 
 def config_from_dict(raw: Mapping[str, Any]) -> Config:
     """Validate a parsed YAML document and build the Config (and its policy), or raise
     ConfigError listing every mistake found."""
     if not isinstance(raw, Mapping):
         raise ConfigError("config: expected a mapping at the top level")
+    if "backends" in raw and raw["backends"] is None:
+        # ``backends:`` left empty reads as null: no static backends, as when the key is absent
+        # (allowed with discovery; refused with the usual message otherwise).
+        raw = {key: value for key, value in raw.items() if key != "backends"}
     errors: list[str] = []
     try:
         document: ConfigFile | None = parse_params(ConfigFile, raw, where="")
@@ -103,8 +125,7 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
     if errors:
         raise ConfigError(errors)
     assert document is not None and policy is not None
-    sections = {f.name: getattr(document, f.name) for f in dataclasses.fields(ConfigFile)}
-    return Config(**sections, policy=policy)
+    return Config(**_sections(document), policy=policy)
 
 
 def _valid_routing(raw: Mapping[str, Any], errors: list[str]) -> RoutingConfig | None:

@@ -1,8 +1,11 @@
-"""Stopping background tasks reliably at shutdown."""
+"""The event loop and its tasks: which loop runs the router, and stopping background tasks
+reliably at shutdown. (Kept free of aiohttp, so the command line starts fast.)"""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Coroutine
+from typing import Any
 
 
 async def stop_task(task: asyncio.Task) -> None:
@@ -17,3 +20,13 @@ async def stop_task(task: asyncio.Task) -> None:
         await asyncio.wait({task}, timeout=0.1)
     if not task.cancelled():
         task.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
+def run_event_loop(main: Coroutine[Any, Any, Any]) -> Any:
+    """Run ``main`` on uvloop where it is installed (a dependency on Linux and macOS): the one
+    place that picks the event loop, for ``kvroute serve`` and each of its router processes."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import pickle
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -427,3 +428,32 @@ def test_tenant_overrides_keep_the_default_for_keys_left_out_and_null_for_unlimi
     tenants = config_from_dict({**minimal(), "limits": limits}).limits.tenant_limits()
     assert (tenants["gold"].requests_per_s, tenants["gold"].max_concurrent) == (5.0, 64)
     assert (tenants["batch"].requests_per_s, tenants["batch"].max_concurrent) == (None, 8)
+
+
+def test_backends_left_empty_read_as_none(tmp_path: Path) -> None:
+    """``backends:`` with no value is null in YAML: allowed with discovery, the usual error without."""
+    dynamic = tmp_path / "dynamic.yaml"
+    dynamic.write_text("backends:\ndiscovery: {kind: dns, dns: {name: vllm.default.svc}}\n")
+    assert load_config(dynamic).backends == ()
+    static = tmp_path / "static.yaml"
+    static.write_text("backends:\n")
+    with pytest.raises(ConfigError, match=r"^backends: expected a non-empty list of \{name, url, engine\}$"):
+        load_config(static)
+
+
+@pytest.mark.parametrize("url", ["HTTP://engine:8000", "Https://engine"])
+def test_url_schemes_are_case_insensitive(url: str) -> None:
+    config = config_from_dict({"backends": [{"name": "a", "url": url}]})
+    assert config.backends[0].url == url
+
+
+def test_each_router_process_builds_its_own_policy() -> None:
+    """``serve --workers`` sends the config to each process pickled: the policy is built there
+    anew, so with ``routing.seed`` null every process draws its own random choices."""
+    config = config_from_dict(
+        {"backends": [{"name": "a", "url": "http://a"}], "routing": {"policy": "random"}}
+    )
+    copies = [pickle.loads(pickle.dumps(config)) for _ in range(2)]
+    assert all(copy == config and copy.policy is not config.policy for copy in copies)
+    draws = {tuple(copy.policy.rng.random() for _ in range(4)) for copy in copies}
+    assert len(draws) == 2

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import sys
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import pytest
 
+from policies.params import ParamError, parse_params
 from policies.routing import BUILTIN, PolicyLoadError, build_policy, resolve_policy
 from policies.routing.base import RoutingPolicy
 from policies.routing.least_load import LeastLoad
@@ -530,3 +532,27 @@ def test_a_malformed_module_reference_gives_a_policy_load_error(name: str) -> No
     # ValueError for an empty module name and TypeError for a relative one; neither is caught.
     with pytest.raises(PolicyLoadError, match=r"routing\.policy"):
         build_policy(name)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Span:
+    low: int = 0
+    high: int = 1
+    #: What ``validate`` answers, to see each shape a user's rule may return.
+    answer: str = "list"
+
+    def validate(self) -> object:
+        broken = self.low > self.high
+        if self.answer == "str":
+            return "low: expected at most high" if broken else None
+        if self.answer == "bool":
+            return not broken
+        return ["low: expected at most high"] if broken else []
+
+
+@pytest.mark.parametrize("answer", ["list", "str", "bool"])
+def test_a_params_rule_may_return_its_messages_one_message_or_a_verdict(answer: str) -> None:
+    assert parse_params(_Span, {"answer": answer}) == _Span(answer=answer)
+    message = "validate: returned False" if answer == "bool" else "low: expected at most high$"
+    with pytest.raises(ParamError, match=rf"^params\.{message}"):
+        parse_params(_Span, {"low": 2, "answer": answer})

@@ -88,6 +88,21 @@ async def test_outcomes_of_served_failed_retried_and_passed_through_attempts(
     await wait_released(http, router.url)
 
 
+async def test_the_backend_that_took_over_is_not_charged_the_failed_attempts_wait(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    f0, f1 = await fault_engines("hang", "ok")
+    wait = 0.5
+    router = await make_router(
+        backends([f0, f1]), routing={"policy": RECORDER}, upstream={"first_byte_timeout_s": wait}
+    )
+    assert await post(http, router, stream=True) == 200
+    timed_out, served = told(router)
+    assert (timed_out.backend, timed_out.error, timed_out.ttft_s) == ("f0", "first_byte_timeout", None)
+    assert served.backend == "f1" and served.ttft_s is not None and served.ttft_s < wait
+    await wait_released(http, router.url)
+
+
 async def test_a_client_that_went_away_is_an_outcome_and_releases_every_ledger(
     fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:

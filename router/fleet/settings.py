@@ -25,10 +25,12 @@ from router.kv_events.settings import EndpointConfig
 EngineKind = Literal["vllm", "sglang"]
 ENGINE_KINDS: tuple[EngineKind, ...] = typing.get_args(EngineKind)
 
+#: Schemes are case-insensitive (RFC 3986 §3.1); spelled out as character classes because the
+#: JSON Schema the same declaration produces speaks ECMA-262 regexes, which have no ``(?i)``.
 HttpUrl = Annotated[
     str,
     msgspec.Meta(
-        pattern=r"^https?://([^/?#@]*@)?(\[[0-9A-Fa-f:.]+\]|[^/?#@:\[\]]+)(:[0-9]*)?([/?#]|$)",
+        pattern=r"^[Hh][Tt][Tt][Pp][Ss]?://([^/?#@]*@)?(\[[0-9A-Fa-f:.]+\]|[^/?#@:\[\]]+)(:[0-9]*)?([/?#]|$)",
         extra={"expected": "an http:// or https:// URL"},
     ),
 ]
@@ -159,7 +161,10 @@ class KubernetesDiscoveryConfig(DiscoveredBackend):
     port_name: str = ""
     #: API server; empty uses the in-cluster one (KUBERNETES_SERVICE_HOST/PORT).
     api_url: Annotated[
-        str, msgspec.Meta(pattern=r"^($|https?://)", extra={"expected": "an http:// or https:// URL"})
+        str,
+        msgspec.Meta(
+            pattern=r"^($|[Hh][Tt][Tt][Pp][Ss]?://)", extra={"expected": "an http:// or https:// URL"}
+        ),
     ] = ""
     token_file: str = f"{_SERVICE_ACCOUNT}/token"
     ca_file: str = f"{_SERVICE_ACCOUNT}/ca.crt"

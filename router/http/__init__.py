@@ -11,7 +11,6 @@ _EXPORTS = {
     "build_app": "app",
     "RouterServer": "server",
     "serve_forever": "server",
-    "run_event_loop": "server",
     "serve_processes": "processes",
     "refusal": "processes",
 }

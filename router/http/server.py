@@ -6,8 +6,7 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import Callable, Coroutine
-from typing import Any
+from collections.abc import Callable
 
 from aiohttp import web
 
@@ -105,16 +104,6 @@ class RouterServer:
 
 #: Allocations between young-generation collections (CPython's default is 700).
 GC_YOUNG_THRESHOLD = 20_000
-
-
-def run_event_loop(main: Coroutine[Any, Any, Any]) -> Any:
-    """Run ``main`` on uvloop where it is installed (a dependency on Linux and macOS): the one
-    place that picks the event loop, for ``kvroute serve`` and each of its router processes."""
-    try:
-        import uvloop
-    except ImportError:
-        return asyncio.run(main)
-    return uvloop.run(main)
 
 
 def tune_gc() -> None:

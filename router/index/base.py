@@ -5,6 +5,8 @@ by the attempt (router/request_path/attempt.py) for a prompt with a block chain:
 
     picked -> accepted -> first_byte -> finished        (the engine served it)
     picked -> failed -> finished                        (it failed before taking the prompt)
+    picked -> accepted -> failed -> finished            (a non-streamed answer broke before
+                                                          any byte of it reached the client)
 
 ``picked``: a policy chose ``backend`` for ``chain``; ``accepted``: the engine answered with a
 success status, so it has the prompt; ``first_byte``: a stream's first byte came back (the

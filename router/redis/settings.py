@@ -15,8 +15,10 @@ import msgspec
 
 from policies.params import PositiveFloat, PositiveInt
 
+#: Case-insensitive scheme, as ``HttpUrl`` in router/fleet/settings.py.
 RedisUrl = Annotated[
-    str, msgspec.Meta(pattern=r"^rediss?://", extra={"expected": "a redis:// or rediss:// URL"})
+    str,
+    msgspec.Meta(pattern=r"^[Rr][Ee][Dd][Ii][Ss][Ss]?://", extra={"expected": "a redis:// or rediss:// URL"}),
 ]
 #: A Sentinel's ``host:port`` (``user:password@host:port`` too).
 SentinelAddress = Annotated[

@@ -86,6 +86,7 @@ class Attempt:
         "_matched_tokens",
         "_prefill",
         "_routable",
+        "_sent",
         "_started",
         "_status",
         "_trial",
@@ -119,6 +120,10 @@ class Attempt:
         self._started = started
         self._matched_tokens = matched_tokens
         self._learner = books.learner
+        #: When this attempt was sent, for the outcome's time to first token: a backend that
+        #: took over after a failed attempt is not charged that attempt's wait. (The TTFT
+        #: metric measures the whole request, from ``started``.) Read only for a learner.
+        self._sent = time.perf_counter() if self._learner is not None else started
         self._label: str | None = None
         self._error: str | None = None
         self._status: int | None = None
@@ -180,8 +185,8 @@ class Attempt:
     def first_byte(self, at: float) -> None:
         """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
         self._release_prefill()
-        ttft = self._ttft = at - self._started
-        self._books.metrics.ttft_by(self._routable.endpoint).observe(ttft)
+        self._ttft = at - self._sent
+        self._books.metrics.ttft_by(self._routable.endpoint).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
