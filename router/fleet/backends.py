@@ -11,7 +11,7 @@ from collections.abc import Callable, Iterable, Iterator
 
 from policies.types import BackendView
 from router.fleet.circuit import CircuitBreaker
-from router.fleet.engines import EngineStats
+from router.fleet.engines.base import EngineStats
 from router.fleet.settings import BackendConfig, HealthConfig
 from router.metrics import RouterMetrics
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 
 from router.fleet.backends import Backend
-from router.fleet.engines import EngineStats
+from router.fleet.engines.base import EngineStats
 from router.index import PrefixIndex
 from router.index.settings import IndexConfig
 
