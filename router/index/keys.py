@@ -35,16 +35,21 @@ class PrefixHasher:
         self.block_size = block_size
 
     def chain(self, prompt: bytes, seed: int) -> list[int]:
-        """Hashes of every full block of ``prompt``; slices are memoryviews, never copies."""
-        size = self.block_size
-        view = memoryview(prompt)
-        digest = xxhash.xxh3_64_intdigest
-        hashes: list[int] = []
-        h = seed
-        for start in range(0, len(prompt) - size + 1, size):
-            h = digest(view[start : start + size], seed=h)
-            hashes.append(h)
-        return hashes
+        """Hashes of every full block of ``prompt``, chained from ``seed``."""
+        return _chained(memoryview(prompt), self.block_size, seed)
+
+
+def _chained(data: memoryview, step: int, seed: int) -> list[int]:
+    """xxh3-64 of every full ``step``-byte block of ``data``, each seeded with the one before
+    (the first with ``seed``): equal keys at position *i* mean equal data up to block *i*.
+    Slices of a memoryview are views, never copies."""
+    digest = xxhash.xxh3_64_intdigest
+    keys: list[int] = []
+    key = seed
+    for start in range(0, len(data) - step + 1, step):
+        key = digest(data[start : start + step], seed=key)
+        keys.append(key)
+    return keys
 
 
 #: Seed of the first block's key. Blocks keyed by more than tokens (a LoRA adapter, a salt) are
@@ -61,12 +66,4 @@ def namespace_seed(parent_key: int, namespace: str | None) -> int:
 
 def block_keys(token_ids: Sequence[int], block_size: int, seed: int = ROOT_KEY) -> list[int]:
     """Chained keys of the full ``block_size``-token blocks of ``token_ids``, chained from ``seed``."""
-    data = memoryview(array("q", token_ids).tobytes())
-    step = block_size * 8
-    digest = xxhash.xxh3_64_intdigest
-    keys: list[int] = []
-    key = seed
-    for start in range(0, len(data) - step + 1, step):
-        key = digest(data[start : start + step], seed=key)
-        keys.append(key)
-    return keys
+    return _chained(memoryview(array("q", token_ids).tobytes()), block_size * 8, seed)
