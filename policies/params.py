@@ -253,6 +253,9 @@ def _mapping(tp: Any, value: Any, path: str, report: _Report) -> Any:
         if not _accepts(key_type, key):
             if typing.get_origin(key_type) is Literal:
                 report.lines.append(f"{_join(path, key)}: unknown key; expected {_describe(key_type)}")
+            elif key_type is str and isinstance(key, (int, float, bool)):
+                # YAML reads an unquoted 5, 1.5 or yes as a number or a boolean, not a name.
+                report.lines.append(f"{path}: keys must be strings, got {key!r}; quote it: '{key}'")
             else:
                 report.lines.append(f"{path}: keys must be {_describe(key_type)}, got {_shown(key)}")
             failed = True

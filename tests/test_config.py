@@ -457,3 +457,10 @@ def test_each_router_process_builds_its_own_policy() -> None:
     assert all(copy == config and copy.policy is not config.policy for copy in copies)
     draws = {tuple(copy.policy.rng.random() for _ in range(4)) for copy in copies}
     assert len(draws) == 2
+
+
+def test_a_tenant_name_yaml_reads_as_a_number_is_asked_to_be_quoted(tmp_path: Path) -> None:
+    path = tmp_path / "tenants.yaml"
+    path.write_text("backends: [{name: a, url: 'http://a'}]\nlimits: {tenants: {42: {requests_per_s: 1}}}\n")
+    with pytest.raises(ConfigError, match=r"^limits\.tenants: keys must be strings, got 42; quote it: '42'$"):
+        load_config(path)
