@@ -82,11 +82,15 @@ class Config(ConfigFile):
 
     policy: RoutingPolicy = field(kw_only=True, compare=False, repr=False)
 
+    def document(self) -> ConfigFile:
+        """The document alone, without the policy built from it."""
+        return ConfigFile(**_sections(self))
+
     def __reduce__(self) -> tuple[Any, ...]:
         """Pickled (to each ``serve --workers`` process), a config carries its document only and
         builds its policy anew on arrival: every process draws its own seed when ``routing.seed``
         is null, as it would have started alone, and a user's policy need not pickle."""
-        return (_with_policy, (ConfigFile(**_sections(self)),))
+        return (_with_policy, (self.document(),))
 
 
 def _sections(document: ConfigFile) -> dict[str, Any]:

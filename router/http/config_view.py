@@ -36,7 +36,7 @@ from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
 
 from aiohttp import web
 
-from router.config import Config, ConfigFile
+from router.config import Config
 
 if TYPE_CHECKING:
     from router.http.reload import Runtime
@@ -111,8 +111,7 @@ def effective_config(config: Config) -> dict[str, Any]:
     """The config's document as a redacted mapping, every default filled in, and each of
     ``limits.tenants`` as the limits it runs with (its overrides merged over ``tenant_default``).
     The policy object built from ``routing`` is not part of it."""
-    document = ConfigFile(**{f.name: getattr(config, f.name) for f in dataclasses.fields(ConfigFile)})
-    tree = dataclasses.asdict(document)
+    tree = dataclasses.asdict(config.document())
     tree["limits"]["tenants"] = {
         name: dataclasses.asdict(limits) for name, limits in config.limits.tenant_limits().items()
     }
