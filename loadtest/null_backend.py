@@ -24,6 +24,8 @@ import sys
 
 import orjson
 
+from router.tasks import run_event_loop
+
 MODEL = "null-model"
 #: SSE chunks per streamed response.
 STREAM_CHUNKS = 50
@@ -178,12 +180,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, action="append", required=True, help="repeat for more backends")
     args = parser.parse_args(argv)
-    try:
-        import uvloop
-    except ImportError:
-        asyncio.run(_main(args.host, args.port))
-    else:
-        uvloop.run(_main(args.host, args.port))
+    run_event_loop(_main(args.host, args.port))
     return 0
 
 

@@ -57,6 +57,7 @@ from loadtest.httpload import Client, Sample, Throughput, build_request
 from loadtest.null_backend import MODEL, STREAM_CHUNKS
 from loadtest.redis_server import RedisServer
 from loadtest.report import format_table, percentile
+from router.tasks import run_event_loop
 
 PATH = "/v1/chat/completions"
 _LINE = re.compile(r":\d+\)$")
@@ -427,12 +428,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:
         workdir = Path(tmp)
         workdir.chmod(0o755)  # nginx's worker runs as nobody
-        try:
-            import uvloop
-        except ImportError:
-            results = asyncio.run(run(args, workdir))
-        else:
-            results = uvloop.run(run(args, workdir))
+        results = run_event_loop(run(args, workdir))
 
     heading = (
         f"null backends x{args.backends}, {STREAM_CHUNKS}-chunk streams; latency at {args.rate:.0f} req/s "
