@@ -313,3 +313,22 @@ def test_a_cleared_cache_starts_without_an_lru_end() -> None:
     index.apply("a", 0, batch(stored([1, 2, 3, 4], None, [ord("z")] * 16)))
     # A long queue ahead, but the cache restarted empty: no eviction is known to be coming.
     assert index.match_surviving(chain_of("z" * 16), {"a": 8}) == {"a": 4}
+
+
+def test_a_block_stored_twice_under_one_hash_is_held_until_its_last_copy_goes() -> None:
+    # vLLM 0.32 can hold two physical blocks under one hash (two requests computed the same block
+    # at once) and reports a store and a removal for each copy.
+    index = make_index()
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    index.apply("a", 0, batch(stored([901, 902], None, TOKENS[:8])))
+    index.apply("a", 0, batch(BlockRemoved((901, 902), "GPU")))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 2}
+    # A block chained under the surviving copy is keyed, not an orphan.
+    index.apply("a", 0, batch(stored([903], 902, TOKENS[8:12])))
+    assert index.stats.orphans == 0
+    assert index.match_now(CHAIN, ["a"]) == {"a": 3}
+    index.apply("a", 0, batch(BlockRemoved((901, 902), "GPU")))
+    assert index.match_now(CHAIN, ["a"]) == {"a": 0}
+    assert index.stats.unknown_removals == 0
+    assert index.evictions == 4
+    assert index.blocks_of("a") == 1  # 903 still there, unreachable without its prefix

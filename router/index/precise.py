@@ -79,10 +79,17 @@ TOUCH_SLACK_SHARE = 64
 
 @dataclass(slots=True)
 class _Entry:
-    """One engine block of one stream: its router key, the tiers holding it, and its parent."""
+    """One engine block hash of one stream: its router key, the copies of it in each tier, and
+    its parent.
+
+    Copies, not presence: an engine may hold two physical blocks under one hash (vLLM 0.32 does
+    when two requests computed the same block at once, before either was cached) and reports a
+    store and a removal for each; the hash is held until the last copy is removed.
+    """
 
     key: int
-    tiers: set[str]
+    #: tier -> physical copies the stream reported stored there and not yet removed.
+    tiers: dict[str, int]
     #: The engine hash of the block before it in its chain (None: the chain's first).
     parent: BlockHash | None
 
@@ -369,11 +376,13 @@ class PreciseIndex(PrefixIndex):
                     self.stats.dropped += 1
                     continue
                 budget -= 1
-                entry = entries[block_hash] = _Entry(key, {tier}, parent_hash)
+                entry = entries[block_hash] = _Entry(key, {tier: 1}, parent_hash)
                 self._hold(backend, key, tier)
             elif tier not in entry.tiers:
-                entry.tiers.add(tier)
+                entry.tiers[tier] = 1
                 self._hold(backend, entry.key, tier)
+            else:
+                entry.tiers[tier] += 1
             if gpu:
                 stamps[entry.key] = stamp
             if provisional and provisional.pop(entry.key, None) is not None:
@@ -413,7 +422,11 @@ class PreciseIndex(PrefixIndex):
             if entry is None or tier not in entry.tiers:
                 self.stats.unknown_removals += 1
                 continue
-            entry.tiers.discard(tier)
+            self.evictions += 1
+            entry.tiers[tier] -= 1
+            if entry.tiers[tier]:
+                continue  # another copy of the block is still there
+            del entry.tiers[tier]
             self._unhold(backend, entry.key, tier)
             if tier == "gpu":
                 stamp = self._unstamp(backend, entry.key)
@@ -423,7 +436,6 @@ class PreciseIndex(PrefixIndex):
                 del entries[block_hash]
             if provisional and provisional.pop(entry.key, None) is not None:
                 self._provisional_count -= 1
-            self.evictions += 1
         if newest_evicted is not None:
             self._lru_end[backend] = newest_evicted
 
