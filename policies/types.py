@@ -30,6 +30,11 @@ class RequestView:
     #: The prompt's chained block hashes (empty unless the policy ``uses_prefix_match``):
     #: ``chain[k - 1]`` identifies the first ``k`` blocks, which hash-based policies key on.
     chain: Sequence[int] = ()
+    #: The most leading blocks of the chain an engine can take from its cache, or None for all
+    #: of them. Engines (vLLM, SGLang) always compute the prompt's last token, whose logits give
+    #: the first output token, so a fully cached prompt of exactly ``k`` blocks hits ``k - 1``:
+    #: matches are capped here, and the chain itself (what the engine will hold) is not.
+    cacheable_blocks: int | None = None
 
 
 @dataclass(frozen=True, slots=True)

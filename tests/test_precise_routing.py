@@ -153,3 +153,36 @@ async def test_a_pick_that_failed_over_leaves_no_belief_behind(
 
         f0.mode = "ok"
         assert await only_f0_predicts() == 0
+
+
+async def test_a_prompt_of_whole_blocks_is_predicted_one_block_short_like_the_engine(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    """The engine computes a prompt's last token whatever it holds: of a fully cached prompt of
+    exactly four blocks it takes three from its cache, and the router predicts three."""
+    router = await make_router(backends_of(pair), index=EVENTS)
+    await started(http, router)
+    body = {"model": "sim-model", "prompt": "The cat sat on the mat, then ran" * 8, "max_tokens": 2}
+    seen = []
+    for _ in range(2):
+        async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            usage = (await resp.json())["usage"]
+            seen.append((int(resp.headers["x-kvroute-matched-tokens"]), usage))
+    (_, first), (predicted, second) = seen
+    assert first["prompt_tokens"] == second["prompt_tokens"] == 64
+    assert predicted == second["prompt_tokens_details"]["cached_tokens"] == 48
+
+
+async def test_approximate_mode_predicts_no_more_of_a_completion_than_before_its_last_byte(
+    pair: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(backends_of(pair), index={"block_size": 64})
+    body = {"model": "sim-model", "prompt": "The cat sat on the mat, then ran" * 8, "max_tokens": 2}
+    assert len(body["prompt"]) == 4 * 64
+    predicted = []
+    for _ in range(2):
+        async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            predicted.append(int(resp.headers["x-kvroute-matched-tokens"]))
+    assert predicted == [0, 3 * 16]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import math
 import time
+from collections.abc import Sequence
 
 from aiohttp import web
 
@@ -80,7 +81,7 @@ class Dispatcher:
         candidates = self._candidates(routable.model)
         keyed = self._policy.uses_prefix_match
         view = self.keyer.view(routable, keyed)
-        matches = await self._match(view.chain, candidates) if keyed else {}
+        matches = await self._match(view.chain[: view.cacheable_blocks], candidates) if keyed else {}
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
         return await self._forward(request, routable, view, candidates, matches, started)
 
@@ -104,8 +105,10 @@ class Dispatcher:
             )
         return healthy
 
-    async def _match(self, chain: list[int], candidates: list[Backend]) -> dict[str, int]:
-        """What each candidate is believed to hold of ``chain`` (the index's mode decides how)."""
+    async def _match(self, chain: Sequence[int], candidates: list[Backend]) -> dict[str, int]:
+        """What each candidate is believed to hold of ``chain`` (the index's mode decides how):
+        the part of the prompt's chain an engine can take from its cache, so that a match
+        counts what the engine will report cached (``RequestView.cacheable_blocks``)."""
         matches = await self.index.match_for(chain, candidates)
         self.metrics.index_lookups_by("hit" if any(matches.values()) else "miss").inc()
         return matches

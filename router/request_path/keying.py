@@ -41,6 +41,7 @@ class Keyer(ABC):
         chain, tokens = self.chain(routable) if keyed else ([], None)
         prompt = routable.prompt
         return RequestView(
+            cacheable_blocks=self.cacheable_blocks(routable, tokens) if keyed else None,
             model=routable.model,
             tenant=routable.tenant,
             session_key=routable.session_key,
@@ -56,6 +57,10 @@ class Keyer(ABC):
     def chain(self, routable: RoutableRequest) -> tuple[list[int], int | None]:
         """The prompt's block chain, and its exact token count when known."""
 
+    @abstractmethod
+    def cacheable_blocks(self, routable: RoutableRequest, tokens: int | None) -> int | None:
+        """The most blocks of the chain an engine can hit (``RequestView.cacheable_blocks``)."""
+
 
 class CharKeyer(Keyer):
     __slots__ = ("_hasher",)
@@ -66,6 +71,15 @@ class CharKeyer(Keyer):
 
     def chain(self, routable: RoutableRequest) -> tuple[list[int], int | None]:
         return self._hasher.chain(routable.prompt, chain_seed(routable.tenant, routable.model)), None
+
+    def cacheable_blocks(self, routable: RoutableRequest, tokens: int | None) -> int | None:
+        """A completion's prompt is the engine's whole prompt: the block holding its last byte
+        holds its last token, which the engine computes, so at most the blocks before that one.
+        A chat prompt here is the messages only; the template's generation prompt follows them in
+        the engine's prompt, so every block of this chain can be a hit: no cap."""
+        if routable.endpoint == CHAT:
+            return None
+        return max(0, len(routable.prompt) - 1) // self.block_size
 
 
 class TokenKeyer(Keyer):
@@ -80,6 +94,11 @@ class TokenKeyer(Keyer):
     def chain(self, routable: RoutableRequest) -> tuple[list[int], int | None]:
         ids = self._tokenizer.prompt_ids(routable.document, routable.endpoint == CHAT)
         return block_keys(ids, self.block_tokens), len(ids)
+
+    def cacheable_blocks(self, routable: RoutableRequest, tokens: int | None) -> int | None:
+        """The blocks wholly before the prompt's last token, which the engine always computes."""
+        assert tokens is not None
+        return max(0, tokens - 1) // self.block_tokens
 
 
 def build_keyer(index: IndexConfig) -> Keyer:
