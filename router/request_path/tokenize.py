@@ -36,7 +36,8 @@ import json
 import sys
 import zlib
 from array import array
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
+from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -90,38 +91,96 @@ def _bad(message: str, param: str) -> OpenAIError:
     return OpenAIError(400, message, param=param, code="invalid_value")
 
 
-class ChatTemplate:
-    """A chat template rendered like ``transformers`` does: sandboxed Jinja, trim/lstrip blocks."""
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | str | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    """transformers' ``tojson``: plain ``json.dumps`` (Jinja's own escapes HTML), with its options."""
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
-    def __init__(self, source: str, special_tokens: Mapping[str, str] | None = None) -> None:
+
+def _generation_tag() -> type:
+    """The ``{% generation %}…{% endgeneration %}`` tag of transformers' templates: it marks the
+    assistant's part for training masks and renders its body unchanged."""
+    from jinja2 import nodes
+    from jinja2.ext import Extension
+
+    class GenerationTag(Extension):
+        tags = {"generation"}
+
+        def parse(self, parser: Any) -> nodes.Node:
+            lineno = next(parser.stream).lineno
+            body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+            return nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
+
+        @staticmethod
+        def _render(caller: Callable[[], str]) -> str:
+            return caller()
+
+    return GenerationTag
+
+
+class ChatTemplate:
+    """A chat template rendered as ``transformers`` renders it, which is how vLLM and SGLang do.
+
+    The environment is transformers' (``utils/chat_template_utils.py``): a sandbox with
+    ``trim_blocks``/``lstrip_blocks``, the ``loopcontrols`` extension (``{% break %}``,
+    ``{% continue %}``), the ``{% generation %}`` tag, ``raise_exception``, ``strftime_now`` (Llama
+    3.x dates its system header with it: a wrong date changes the prompt's tokens), and a
+    ``tojson`` taking ``indent``, ``separators`` and ``sort_keys``; Jinja's own globals
+    (``namespace``, ``dict``, ``range``, ...) come with the environment. The tokenizer's special
+    tokens are variables, and the request's ``chat_template_kwargs`` override them, as in
+    ``apply_chat_template``. ``now`` is the clock of ``strftime_now`` (local time, as the engine's).
+    """
+
+    def __init__(
+        self,
+        source: str,
+        special_tokens: Mapping[str, str] | None = None,
+        now: Callable[[], datetime] = datetime.now,
+    ) -> None:
         from jinja2.exceptions import TemplateError
+        from jinja2.ext import loopcontrols
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         def raise_exception(message: str) -> None:
             raise TemplateError(message)
 
-        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.filters["tojson"] = lambda value, indent=None: json.dumps(
-            value, ensure_ascii=False, indent=indent
+        def strftime_now(format: str) -> str:
+            return now().strftime(format)
+
+        env = ImmutableSandboxedEnvironment(
+            trim_blocks=True, lstrip_blocks=True, extensions=[_generation_tag(), loopcontrols]
         )
+        env.filters["tojson"] = _tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = strftime_now
         self._template = env.from_string(source)
         self._special = dict(special_tokens or {})
         self._error = TemplateError
 
     def render(self, body: Mapping[str, Any], messages: list[dict[str, Any]]) -> str:
         kwargs = body.get("chat_template_kwargs")
-        extra = dict(kwargs) if isinstance(kwargs, Mapping) else {}
+        variables = {**self._special, **(kwargs if isinstance(kwargs, Mapping) else {})}
         try:
             return self._template.render(
-                **self._special,
-                **extra,
+                variables,
                 messages=messages,
                 tools=body.get("tools"),
+                documents=None,
                 add_generation_prompt=body.get("add_generation_prompt", True),
             )
-        except self._error as exc:
-            raise _bad(f"The chat template rejected the messages: {exc}", "messages") from None
+        except (self._error, TypeError, ValueError, LookupError, ArithmeticError) as exc:
+            # A template fails on what the request gave it (a missing field, a wrong type, a
+            # bad tojson argument): the client's request is at fault, as vLLM answers too.
+            raise _bad(
+                f"The chat template rejected the messages: {type(exc).__name__}: {exc}", "messages"
+            ) from None
 
 
 def _messages(body: Mapping[str, Any], part_separator: str) -> list[dict[str, Any]]:
@@ -185,8 +244,19 @@ def load_chat_template(path: Path) -> tuple[str, dict[str, str]]:
         template = named.get("default")
     if not isinstance(template, str):
         raise ValueError(f"{path}: no chat_template string (or default named template)")
-    special = {k: v for k in ("bos_token", "eos_token") if (v := _token_text(config.get(k))) is not None}
-    return template, special
+    return template, special_tokens(config)
+
+
+def special_tokens(config: Mapping[str, Any]) -> dict[str, str]:
+    """The template variables a tokenizer config names, as transformers reads them: every
+    ``*_token`` entry (a string or an AddedToken), and the named model-specific tokens
+    (``extra_special_tokens`` or ``model_specific_special_tokens`` as a mapping)."""
+    named: dict[str, Any] = {k: v for k, v in config.items() if k.endswith("_token")}
+    for key in ("extra_special_tokens", "model_specific_special_tokens"):
+        extra = config.get(key)
+        if isinstance(extra, Mapping):
+            named.update(extra)
+    return {k: text for k, v in named.items() if (text := _token_text(v)) is not None}
 
 
 class HFTokenizer:
