@@ -92,7 +92,9 @@ def oracle(monkeypatch: pytest.MonkeyPatch) -> Any:
     bpe = Tokenizer(models.BPE(unk_token="<unk>"))
     bpe.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     specials = ["<s>", "</s>", "<unk>", "<pad>", "<sep>", "<image>", "<tool>"]
-    bpe.train_from_iterator(["a small corpus for a small tokenizer"] * 5, trainers.BpeTrainer(special_tokens=specials))
+    bpe.train_from_iterator(
+        ["a small corpus for a small tokenizer"] * 5, trainers.BpeTrainer(special_tokens=specials)
+    )
     kwargs = {k: (v["content"] if isinstance(v, dict) and "content" in v else v) for k, v in CONFIG.items()}
     return transformers.PreTrainedTokenizerFast(tokenizer_object=bpe, **kwargs)
 
