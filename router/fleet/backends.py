@@ -120,6 +120,7 @@ class BackendPool:
         self._backends = {c.name: Backend(c, self.health) for c in configs}
         self._on_added: list[PoolListener] = []
         self._on_removed: list[PoolListener] = []
+        self._on_down: list[PoolListener] = []
 
     def subscribe(self, on_added: PoolListener, on_removed: PoolListener) -> None:
         """Follow changes: ``on_added`` for each backend added from now on (those already in
@@ -127,6 +128,16 @@ class BackendPool:
         in-flight requests still finish: they hold the Backend object)."""
         self._on_added.append(on_added)
         self._on_removed.append(on_removed)
+
+    def subscribe_down(self, on_down: PoolListener) -> None:
+        """Call ``on_down`` with each backend that has just failed its health checks (the request
+        path ends what it has open there: router/request_path/upstream.py, ``abort``)."""
+        self._on_down.append(on_down)
+
+    def went_down(self, backend: Backend) -> None:
+        """``backend`` has just left rotation by failing its health checks."""
+        for listener in self._on_down:
+            listener(backend)
 
     def add(self, config: BackendConfig) -> Backend:
         """Add a backend; one of the same name but another config is replaced."""

@@ -4,7 +4,9 @@ A backend leaves rotation after ``health.unhealthy_after`` failed checks in a ro
 returns after one good check. Backends without configured models are asked for
 ``/v1/models`` until they answer, then every ``models_refresh_s``. A backend discovered at
 run time is checked at once, so it enters rotation without waiting for the next round.
-Failures of real requests are the circuit breaker's business (router/fleet/circuit.py).
+Failures of real requests are the circuit breaker's business (router/fleet/circuit.py). A backend
+that leaves rotation this way is announced (``BackendPool.went_down``): what the router still has
+open there is ended, since an engine that fails its checks (stopping, hung) will not finish it.
 """
 
 from __future__ import annotations
@@ -75,6 +77,7 @@ class HealthMonitor:
             log.warning(
                 "backend %s is unhealthy after %d failed checks", backend.name, backend.consecutive_failures
             )
+            self.pool.went_down(backend)
 
     async def _refresh_models(self, backend: Backend) -> None:
         now = time.monotonic()

@@ -18,7 +18,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from router.config import Config
 from router.errors import OpenAIError
-from router.fleet.backends import BackendPool
+from router.fleet.backends import Backend, BackendPool
 from router.fleet.shared_load import start_shared_load
 from router.fleet.upkeep import FleetUpkeep
 from router.http.admin import admin_routes
@@ -133,6 +133,13 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
+def _end_exchanges(upstream: UpstreamPool, backend: Backend) -> None:
+    """A backend failed its health checks: end what the router has open there (see UpstreamPool.abort)."""
+    ended = upstream.abort(backend.url, f"{backend.name} failed its health checks")
+    if ended:
+        log.warning("backend %s is down: ended %d request(s) in flight there", backend.name, ended)
+
+
 def build_app(config: Config, config_path: str | None = None) -> web.Application:
     """The router as an aiohttp Application; its background work starts and stops with it.
 
@@ -167,6 +174,7 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
         ) as session:
             upstream = UpstreamPool(config.upstream)
             pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
+            pool.subscribe_down(lambda backend: _end_exchanges(upstream, backend))
             app[DISPATCHER] = Dispatcher(config, pool, index, config.policy, Proxy(upstream), router_metrics)
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)

@@ -12,7 +12,9 @@ or 504 (a gateway or an engine that is overloaded, starting or stopping: another
 may well serve the request), or when the first byte does not come within the attempt's
 first-byte timeout. Every other status passes through to the client unchanged: a 4xx is
 the client's request at fault and would fail the same anywhere; a 500 may be caused by the
-request itself and is not replayed on the rest of the fleet.
+request itself and is not replayed on the rest of the fleet. One 500 is recognised as the
+engine's, not the request's: vLLM's answer to a request that arrives while it shuts down
+(``SHUTTING_DOWN_MARKERS``), which another replica serves.
 
 The proxy keeps no books: it reports each step to the request's attempt
 (router/request_path/attempt.py), which holds the counters, the circuit and the beliefs.
@@ -98,6 +100,11 @@ def failure_kind(exc: BaseException) -> str:
 
 #: Statuses that mean "this replica cannot serve now", not "this request is wrong".
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
+
+#: What a 500's body says when the engine is stopping, not failing on the request: vLLM (0.32)
+#: answers a request that arrives during its shutdown with Python's ``RuntimeError("cannot
+#: schedule new futures after shutdown")``. Narrow on purpose: any other 500 passes through.
+SHUTTING_DOWN_MARKERS = (b"cannot schedule new futures after shutdown",)
 
 
 def _copy_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
@@ -202,6 +209,8 @@ class Proxy:
                 detail = f"answered {upstream.status} {upstream.reason}"
                 raise UpstreamFailed(f"http_{upstream.status}", detail)
             first = await upstream.readany()
+            if upstream.status == 500 and any(marker in first for marker in SHUTTING_DOWN_MARKERS):
+                raise UpstreamFailed("engine_stopping", "answered 500: the engine is shutting down")
         except BaseException:
             upstream.close()
             raise

@@ -72,6 +72,12 @@ class ProtocolError(UpstreamError):
     kind = "protocol"
 
 
+class BackendDown(UpstreamError):
+    """The backend failed its health checks while this exchange was open (:meth:`UpstreamPool.abort`)."""
+
+    kind = "backend_down"
+
+
 @dataclass(frozen=True)
 class Origin:
     """Where a backend URL points: scheme, host and port, and the path prefix before each request's."""
@@ -94,9 +100,10 @@ class Origin:
 class _Connection(asyncio.Protocol):
     """One keep-alive connection; carries one exchange at a time."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, pool: UpstreamPool) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop, pool: UpstreamPool, origin: Origin) -> None:
         self._loop = loop
         self._pool = pool
+        self.origin = origin
         self.transport: asyncio.Transport | None = None
         self._parser = httptools.HttpResponseParser(self)
         self._waiter: asyncio.Future[None] | None = None
@@ -218,6 +225,7 @@ class _Connection(asyncio.Protocol):
         """Send the request and wait for the response's status line and headers."""
         assert self.transport is not None
         self.in_exchange = True
+        self._pool._busy.setdefault(self.origin, set()).add(self)
         self.received = self.head_done = self.complete = self._until_eof = self._keep_alive = False
         self.raw_headers = []
         self._last_data = self._sent_at = self._loop.time()
@@ -248,9 +256,18 @@ class _Connection(asyncio.Protocol):
     def finish(self) -> None:
         """The exchange is over (read to its end or abandoned): stop its timer."""
         self.in_exchange = False
+        busy = self._pool._busy.get(self.origin)
+        if busy is not None:
+            busy.discard(self)
+            if not busy:
+                del self._pool._busy[self.origin]
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+
+    def abort(self, error: UpstreamError) -> None:
+        """End the exchange now with ``error``: whoever waits for its head or body gets it."""
+        self._fail(error)
 
     def close(self) -> None:
         self.finish()
@@ -354,6 +371,8 @@ class UpstreamPool:
     def __init__(self, config: UpstreamConfig) -> None:
         self.configure(config)
         self._idle: dict[Origin, deque[_Connection]] = {}
+        #: Connections carrying an exchange, per origin: what :meth:`abort` ends.
+        self._busy: dict[Origin, set[_Connection]] = {}
         self._origins: dict[str, Origin] = {}
         self._tls: ssl.SSLContext | None = None
 
@@ -398,6 +417,20 @@ class UpstreamPool:
         origin = self._origins.pop(base_url, None) or Origin.parse(base_url)
         for connection in self._idle.pop(origin, ()):
             connection.close()
+
+    def abort(self, base_url: str, detail: str) -> int:
+        """The backend at ``base_url`` is down (its health checks failed): end every exchange
+        open with it, and close its idle connections. A request still waiting for its first byte
+        fails over to another backend (the error is raised before the client got anything); a
+        stream already under way ends with an SSE error instead of hanging until the read timeout
+        on an engine that will not answer. Returns the number of exchanges ended."""
+        origin = self._origins.get(base_url) or Origin.parse(base_url)
+        busy = list(self._busy.pop(origin, ()))
+        for connection in busy:
+            connection.abort(BackendDown(detail))
+        for connection in self._idle.pop(origin, ()):
+            connection.close()
+        return len(busy)
 
     def close(self) -> None:
         """Close every idle connection (those in use close with their exchange)."""
@@ -450,7 +483,7 @@ class UpstreamPool:
         if origin.tls:
             tls = self._tls = self._tls or ssl.create_default_context()
         opening = loop.create_connection(
-            lambda: _Connection(loop, self),
+            lambda: _Connection(loop, self, origin),
             origin.host,
             origin.port,
             ssl=tls,
