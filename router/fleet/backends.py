@@ -43,6 +43,11 @@ class Backend:
         #: The engine's last scrape, shown to policies until ``engine_fresh_until`` (monotonic).
         self.engine: EngineStats | None = None
         self.engine_fresh_until = 0.0
+        #: With ``index.mode: events``, the subscription to the engine's KV events (written by
+        #: router/kv_events/subscriber.py): ``discovering``, ``connecting``, ``connected`` or
+        #: ``not_connected`` (past ``index.events.connect_grace_s``), and the endpoints followed.
+        self.kv_events_state: str | None = None
+        self.kv_events_endpoints: tuple[str, ...] = ()
 
     def record_failure(self, unhealthy_after: int) -> None:
         """A failed active check: after ``unhealthy_after`` in a row it leaves rotation."""

@@ -48,6 +48,8 @@ def describe(backend: Backend, index: PrefixIndex | None = None) -> dict[str, ob
         "kv_usage": engine.kv_usage if engine else None,
         "engine_capacity_tokens": engine.capacity_tokens if engine else None,
     }
+    if backend.kv_events_state is not None:
+        view["kv_events"] = {"state": backend.kv_events_state, "endpoints": list(backend.kv_events_endpoints)}
     if index is not None:
         view["index_blocks"] = index.blocks_of(backend.name)
         view["index_capacity_blocks"] = index.capacity_of(backend.name)

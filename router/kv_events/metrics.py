@@ -36,7 +36,8 @@ class KVEventMetrics:
         )
         self.errors = Counter(
             "kvroute_kv_events_errors",
-            "Event stream errors by backend and kind (decode, discovery)",
+            "Event stream errors by backend and kind: decode, discovery, not_connected (a stream without a "
+            "connection past index.events.connect_grace_s)",
             ["backend", "kind"],
             registry=r,
         )

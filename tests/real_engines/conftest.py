@@ -1,0 +1,55 @@
+"""Fixtures of the real-engine tests: two vLLM replicas (CPU build, tiny local model) per session.
+
+The replicas take 25-50 s to start and 2-3 GB each, so one pair serves every test of the session
+(tests that stop a replica start it again before they end). Every test here is marked
+``real_engine`` and runs after the rest of the suite. Without the engine's environment
+(``bash tests/real_engines/setup.sh``) they are skipped on a developer's machine, and fail in CI
+(``CI=true``): CI must never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Iterator
+
+import pytest
+from openai import AsyncOpenAI
+
+from loadtest.vllm_replicas import VllmReplica, engine_installed, engine_python, start_replicas
+
+HERE = os.path.dirname(__file__)
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Mark this folder's tests ``real_engine`` and move them after every other test."""
+    ours, others = [], []
+    for item in items:
+        (ours if str(item.path).startswith(HERE) else others).append(item)
+    for item in ours:
+        item.add_marker(pytest.mark.real_engine)
+        item.add_marker(pytest.mark.timeout(420))
+    items[:] = others + ours
+
+
+@pytest.fixture(scope="session")
+def vllm_pair() -> Iterator[list[VllmReplica]]:
+    """Two replicas, ``e0`` and ``e1``, for the whole session; stopped (process groups) at its end."""
+    if not engine_installed():
+        message = f"no vLLM engine at {engine_python()}: run bash tests/real_engines/setup.sh"
+        if os.environ.get("CI", "").lower() in ("true", "1"):
+            pytest.fail(f"CI runs the real-engine tests: {message}", pytrace=False)
+        pytest.skip(message)
+    replicas = [VllmReplica("e0"), VllmReplica("e1")]
+    start_replicas(replicas)
+    try:
+        yield replicas
+    finally:
+        for replica in replicas:
+            replica.stop()
+
+
+@pytest.fixture
+async def openai_client() -> AsyncIterator[AsyncOpenAI]:
+    """Made per router: ``openai_client.with_options(base_url=...)``; no retries of its own."""
+    async with AsyncOpenAI(base_url="http://127.0.0.1:9/v1", api_key="unused", max_retries=0) as client:
+        yield client
