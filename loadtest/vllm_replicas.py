@@ -19,6 +19,7 @@ core and its worker).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -167,10 +168,8 @@ class VllmReplica:
     def signal(self, signum: int) -> None:
         """Send ``signum`` to the whole process group (server, engine core, worker)."""
         if self.process is not None and self.process.poll() is None:
-            try:
+            with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signum)
-            except ProcessLookupError:
-                pass
 
     def stop(self, grace_s: float = 15.0) -> None:
         """SIGTERM the group, SIGKILL what is left after ``grace_s``; wait for the leader."""
@@ -178,10 +177,8 @@ class VllmReplica:
         if process is None:
             return
         self.signal(signal.SIGTERM)
-        try:
+        with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace_s)
-        except subprocess.TimeoutExpired:
-            pass
         self.kill()
 
     def kill(self) -> None:
@@ -189,10 +186,8 @@ class VllmReplica:
         process = self.process
         if process is None:
             return
-        try:
+        with contextlib.suppress(ProcessLookupError):
             os.killpg(process.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
         process.wait()
         self.process = None
 

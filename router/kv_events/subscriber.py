@@ -28,6 +28,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 
 import aiohttp
 import zmq
@@ -63,8 +64,11 @@ class StreamSubscriber:
         metrics: KVEventMetrics,
         ctx: zmq.asyncio.Context,
         replay_timeout_s: float,
+        on_connection: Callable[[], None] | None = None,
     ) -> None:
         self.source = source
+        #: Called when the stream connects or loses its connection.
+        self._on_connection = on_connection
         self.index = index
         self.metrics = metrics
         self._ctx = ctx
@@ -97,10 +101,12 @@ class StreamSubscriber:
                     if event["event"] == zmq.EVENT_CONNECTED:
                         connected.set(1)
                         self.unconnected_since = None
+                        self._connection_changed()
                         await self._resync("connect")
                     else:
                         connected.set(0)
                         self.unconnected_since = time.monotonic()
+                        self._connection_changed()
                         self.expected = None
                 if sub in ready:
                     await self.on_live(await sub.recv_multipart())
@@ -109,6 +115,10 @@ class StreamSubscriber:
             sub.disable_monitor()
             monitor.close(linger=0)
             sub.close(linger=0)
+
+    def _connection_changed(self) -> None:
+        if self._on_connection is not None:
+            self._on_connection()
 
     async def on_live(self, frames: list[bytes]) -> None:
         """Place one live message in the stream's sequence, filling or resyncing as needed."""
@@ -276,8 +286,16 @@ class KVEventsManager:
             sources = await self._discover(name, url, engine)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
         self._show(name, "connecting", sources)
-        subscribers = [
-            StreamSubscriber(source, self.index, self.metrics, self._ctx, self.settings.replay_timeout_s)
+        subscribers: list[StreamSubscriber] = []
+        subscribers += [
+            StreamSubscriber(
+                source,
+                self.index,
+                self.metrics,
+                self._ctx,
+                self.settings.replay_timeout_s,
+                on_connection=lambda: self._show_connections(name, subscribers),
+            )
             for source in sources
         ]
         self.subscribers[name] = subscribers
@@ -292,31 +310,35 @@ class KVEventsManager:
         reported: set[int] = set()
         while True:
             now = time.monotonic()
-            late = []
             for i, subscriber in enumerate(subscribers):
                 since = subscriber.unconnected_since
                 if since is None:
                     reported.discard(i)
-                elif now - since >= grace:
-                    late.append(subscriber)
-                    if i not in reported:
-                        reported.add(i)
-                        self.metrics.errors.labels(name, "not_connected").inc()
-                        log.warning(
-                            "KV events of %s: no connection to %s after %.0f s; routing there relies on "
-                            "provisional beliefs only. Is the engine publishing, and does its PUB socket "
-                            "bind? (vLLM binds only tcp://*:<port>, ipc:// and inproc:// endpoints)",
-                            name,
-                            subscriber.source.endpoint,
-                            now - since,
-                        )
-            if late:
-                self._show(name, "not_connected")
-            elif all(s.unconnected_since is None for s in subscribers):
-                self._show(name, "connected")
-            else:
-                self._show(name, "connecting")
+                elif now - since >= grace and i not in reported:
+                    reported.add(i)
+                    self.metrics.errors.labels(name, "not_connected").inc()
+                    log.warning(
+                        "KV events of %s: no connection to %s after %.0f s; routing there relies on "
+                        "provisional beliefs only. Is the engine publishing, and does its PUB socket "
+                        "bind? (vLLM binds only tcp://*:<port>, ipc:// and inproc:// endpoints)",
+                        name,
+                        subscriber.source.endpoint,
+                        now - since,
+                    )
+            self._show_connections(name, subscribers)
             await asyncio.sleep(min(1.0, grace / 4))
+
+    def _show_connections(self, name: str, subscribers: list[StreamSubscriber]) -> None:
+        """The backend's state from its streams': connected when all are, not_connected when one
+        has been without a connection past the grace, else connecting."""
+        now = time.monotonic()
+        since = [s.unconnected_since for s in subscribers if s.unconnected_since is not None]
+        if not since:
+            self._show(name, "connected")
+        elif now - min(since) >= self.settings.connect_grace_s:
+            self._show(name, "not_connected")
+        else:
+            self._show(name, "connecting")
 
     async def _discover(self, name: str, url: str, engine: str) -> list[EventSource]:
         interval = self.settings.discovery_interval_s

@@ -1,0 +1,80 @@
+"""What kvroute reads off real vLLM replicas: load, KV usage and capacity are the engine's own."""
+
+from __future__ import annotations
+
+import urllib.request
+
+import aiohttp
+from openai import AsyncOpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from loadtest.vllm_replicas import BLOCK_SIZE, SERVED_MODEL, VllmReplica
+from tests.helpers import MakeRouter, wait_for
+from tests.real_engines.traffic import backends, text
+
+
+def engine_metrics(replica: VllmReplica) -> dict[str, float]:
+    with urllib.request.urlopen(f"{replica.url}/metrics", timeout=5) as resp:
+        families = text_string_to_metric_families(resp.read().decode())
+    return {s.name: s.value for f in families for s in f.samples if s.name.startswith("vllm:")}
+
+
+def engine_capacity_tokens(replica: VllmReplica) -> int:
+    with urllib.request.urlopen(f"{replica.url}/metrics", timeout=5) as resp:
+        families = text_string_to_metric_families(resp.read().decode())
+    (info,) = (s for f in families for s in f.samples if s.name == "vllm:cache_config_info")
+    return int(info.labels["num_gpu_blocks"]) * int(info.labels["block_size"])
+
+
+async def shown(http: aiohttp.ClientSession, router_url: str, name: str) -> dict:
+    async with http.get(f"{router_url}/admin/backends") as resp:
+        return next(b for b in (await resp.json())["backends"] if b["name"] == name)
+
+
+async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
+    vllm_pair: list[VllmReplica],
+    make_router: MakeRouter,
+    openai_client: AsyncOpenAI,
+    http: aiohttp.ClientSession,
+) -> None:
+    e0 = vllm_pair[0]
+    router = await make_router(
+        backends(vllm_pair), engine_metrics={"interval_s": 0.2}, routing={"policy": "least_load"}
+    )
+    before = await shown(http, router.url, "e0")
+    assert before["engine_capacity_tokens"] == engine_capacity_tokens(e0) == 1024 * BLOCK_SIZE
+    # A long generation straight to e0 keeps it running a request with blocks in use.
+    direct = openai_client.with_options(base_url=f"{e0.url}/v1")
+    stream = await direct.completions.create(
+        model=SERVED_MODEL,
+        prompt=text(700, 600),
+        max_tokens=1500,
+        temperature=0,
+        stream=True,
+        extra_body={"ignore_eos": True},
+    )
+    try:
+
+        async def busy() -> bool:
+            view = await shown(http, router.url, "e0")
+            return view["engine_running"] == 1 and (view["kv_usage"] or 0) > 0
+
+        await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
+        view = await shown(http, router.url, "e0")
+        truth = engine_metrics(e0)
+        assert view["engine_running"] == truth["vllm:num_requests_running"] == 1
+        assert view["engine_waiting"] == truth["vllm:num_requests_waiting"] == 0
+        # The engine's usage grows by a block every 32 tokens decoded: compare within a few blocks.
+        assert abs(view["kv_usage"] - truth["vllm:kv_cache_usage_perc"]) <= 4 / 1024
+        # The busy replica is the one least_load avoids.
+        answer = await openai_client.with_options(
+            base_url=f"{router.url}/v1"
+        ).completions.with_raw_response.create(model=SERVED_MODEL, prompt="hello", max_tokens=2)
+        assert answer.headers["x-kvroute-backend"] == "e1"
+    finally:
+        await stream.close()
+
+    async def idle() -> bool:
+        return (await shown(http, router.url, "e0"))["engine_running"] == 0
+
+    await wait_for(idle, timeout=20, what="the aborted stream gone from e0")
