@@ -41,6 +41,21 @@ def test_a_requested_usage_chunk_is_read_and_removed() -> None:
     assert cached_tokens(tap.usage) == 4
 
 
+def test_a_removed_usage_chunk_leaves_the_engines_system_fingerprint() -> None:
+    """vLLM 0.32 stamps system_fingerprint on the usage chunk when usage is included (else on the
+    chunk that finishes): the client, which did not ask for usage, still gets the fingerprint."""
+    fingerprinted = {"id": "x", "object": "chat.completion.chunk", "choices": [], "model": "m"}
+    usage = sse(
+        {**fingerprinted, "usage": {"prompt_tokens": 9}, "system_fingerprint": "vllm-0.32.0-acfc5270"}
+    )
+    tap = UsageTap(strip=True)
+    assert (
+        tap.chunk(TOKEN + usage + DONE)
+        == TOKEN + sse({**fingerprinted, "system_fingerprint": "vllm-0.32.0-acfc5270"}) + DONE
+    )
+    assert tap.usage == {"prompt_tokens": 9}
+
+
 def test_a_usage_chunk_the_client_asked_for_is_read_and_kept() -> None:
     tap = UsageTap(strip=False)
     assert tap.chunk(USAGE + DONE) == USAGE + DONE

@@ -4,7 +4,10 @@
 A non-streamed response carries ``usage`` in its body. A stream carries it in a last chunk
 (``"choices": []``) only when the request set ``stream_options.include_usage``; when the
 client did not, the router sets it on the forwarded body and removes that chunk from the
-stream again, so the client receives exactly the stream it asked for.
+stream again, so the client receives the stream it asked for. One field of that chunk is not
+the usage's: vLLM (0.32) stamps ``system_fingerprint`` on the last chunk, which is the usage
+chunk when usage is included; such a chunk keeps everything but ``usage`` (an event with empty
+``choices``, as OpenAI clients accept), so the fingerprint still reaches the client.
 
 Removal works on whole SSE events inside one read: engines write the usage event in one
 piece, so it arrives whole in practice. Should it ever be split across reads, it is passed
@@ -87,5 +90,8 @@ class UsageTap:
             return chunk
         self.usage = parsed["usage"]
         if self.strip and not parsed.get("choices"):
-            return chunk.replace(event + _EVENT_END, b"", 1)
+            if parsed.get("system_fingerprint") is None:
+                return chunk.replace(event + _EVENT_END, b"", 1)
+            kept = {key: value for key, value in parsed.items() if key != "usage"}
+            return chunk.replace(event, b"data: " + orjson.dumps(kept), 1)
         return chunk

@@ -142,3 +142,31 @@ async def test_predictions_under_concurrency(
     print(f"exact predictions under concurrency 8: {exact:.0%} of {len(seen)}")
     assert exact >= 0.5
     assert all(e.matched <= e.prompt_tokens - 1 for e in seen)
+
+
+async def test_closed_loop_reads_usage_yet_the_client_gets_the_stream_it_asked_for(
+    vllm_pair: list[VllmReplica], make_router: MakeRouter, openai_client: AsyncOpenAI
+) -> None:
+    """The router asks the engine for usage (closed loop) and strips it again; the engine's
+    system_fingerprint, which vLLM 0.32 then puts on the usage chunk, still reaches the client."""
+    router = await make_router(backends(vllm_pair), index={"closed_loop": True})
+    client = openai_client.with_options(base_url=f"{router.url}/v1")
+    stream = await client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": text(800, 60)}], max_tokens=6, stream=True
+    )
+    chunks = [chunk async for chunk in stream]
+    assert all(chunk.usage is None for chunk in chunks)
+    assert [c.system_fingerprint for c in chunks if c.system_fingerprint] == [
+        f"vllm-0.32.0-{_fingerprint(vllm_pair)}"
+    ]
+
+
+def _fingerprint(replicas: list[VllmReplica]) -> str:
+    """The engine's own fingerprint suffix, as a direct non-streamed answer shows it."""
+    request = urllib.request.Request(
+        f"{replicas[0].url}/v1/completions",
+        data=json.dumps({"model": "tiny", "prompt": "x", "max_tokens": 1}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=30) as resp:
+        return json.load(resp)["system_fingerprint"].rpartition("-")[2]
