@@ -96,6 +96,7 @@ _BENCHMARKS = {
     "overhead": "loadtest.overhead",
     "report": "loadtest.report_md",
     "routing": "loadtest.bench_routing",
+    "real-engines": "loadtest.bench_real_engines",
 }
 
 
@@ -172,7 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     schema.set_defaults(func=_config_schema)
 
     bench = commands.add_parser("bench", help="benchmarks: bench overhead | bench report (each has --help)")
-    bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="overhead | report | routing")
+    bench.add_argument(
+        "benchmark", choices=sorted(_BENCHMARKS), help="overhead | report | routing | real-engines"
+    )
     bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
     bench.set_defaults(func=_bench)
     return parser

@@ -74,6 +74,8 @@ class VllmReplica:
     kv_cache_bytes: int = 64 * 1024 * 1024
     max_model_len: int = 2048
     extra_args: tuple[str, ...] = ()
+    #: Environment variables of the engine's own (e.g. ``VLLM_SERVER_DEV_MODE``).
+    env: dict[str, str] = field(default_factory=dict)
     workdir: Path = field(default_factory=lambda: Path(tempfile.mkdtemp(prefix="kvr-vllm-")))
     port: int = field(default_factory=free_port)
     replay_port: int = field(default_factory=free_port)
@@ -136,6 +138,7 @@ class VllmReplica:
             VLLM_CPU_OMP_THREADS_BIND="nobind",
             VLLM_TARGET_DEVICE="cpu",
         )
+        env.update(self.env)
         log = self.log_path.open("ab")
         self.process = subprocess.Popen(
             self.command(), stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True
