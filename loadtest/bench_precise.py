@@ -56,7 +56,7 @@ import orjson
 
 from loadtest.bench_routing import TRACE, Bench, load_requests
 from loadtest.contenders import Contender, cpu_seconds, free_port, sglang, wait_listening
-from loadtest.report import format_table, percentile
+from loadtest.report import format_table, percentile, ratio
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import TraceRequest, prompt_text
@@ -327,10 +327,6 @@ def figures(outcomes: Sequence[Outcome]) -> Figures:
     )
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
-
-
 def _span(values: Sequence[float], fmt: str) -> str:
     """``low-high`` of per-seed values (one value alone when there is one seed)."""
     low, high = min(values), max(values)
@@ -416,9 +412,9 @@ def print_report(rows: Sequence[Row]) -> None:
             ]
             spread = _span(per_seed, ".2f") + "x" if per_seed else "-"
             hit, mean, p99 = (
-                _ratio(pf.hit_ratio, bf.hit_ratio),
-                _ratio(pf.ttft_mean, bf.ttft_mean),
-                _ratio(pf.ttft_p99, bf.ttft_p99),
+                ratio(pf.hit_ratio, bf.hit_ratio),
+                ratio(pf.ttft_mean, bf.ttft_mean),
+                ratio(pf.ttft_p99, bf.ttft_p99),
             )
             ratios.append([scenario, f"precise vs {other}", hit, mean, p99, spread])
     if ratios:

@@ -35,10 +35,10 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench_routing import TRACE
+from loadtest.bench_routing import TRACE, wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
-from loadtest.report import format_table, percentile
+from loadtest.report import format_table, percentile, ratio
 from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_text, read_trace
 from loadtest.vllm_replicas import (
     BLOCK_SIZE,
@@ -172,21 +172,6 @@ async def _replay(url: str, requests: Sequence[TraceRequest], bench: Bench) -> l
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def _ready(url: str, timeout: float) -> None:
-    deadline = time.monotonic() + timeout
-    body = {"model": SERVED_MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
-    async with aiohttp.ClientSession() as session:
-        while time.monotonic() < deadline:
-            try:
-                async with session.post(f"{url}/v1/chat/completions", json=body) as resp:
-                    if resp.status == 200:
-                        return
-            except aiohttp.ClientError:
-                pass
-            await asyncio.sleep(0.2)
-    raise RuntimeError(f"{url} did not serve a request within {timeout:.0f} s")
-
-
 def run_contender(
     name: str, replicas: Sequence[VllmReplica], requests: Sequence[TraceRequest], bench: Bench, workdir: Path
 ) -> Row:
@@ -198,7 +183,7 @@ def run_contender(
         router.start(workdir)
         wait_listening(router.port, 60.0, router.process)
         url = f"http://127.0.0.1:{router.port}"
-        asyncio.run(_ready(url, 60.0))
+        asyncio.run(wait_serving(url, 60.0, SERVED_MODEL))
         reset_caches(replicas)
         hits0, queries0 = prefix_cache_counters(replicas)
         started = time.perf_counter()
@@ -240,10 +225,6 @@ def figures(row: Row) -> Figures:
     )
 
 
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
-
-
 def print_report(rows: Sequence[Row]) -> None:
     figs = {row.name: figures(row) for row in rows if not row.missing}
     table = [
@@ -281,12 +262,12 @@ def print_report(rows: Sequence[Row]) -> None:
         ratios.append(
             [
                 name,
-                _ratio(f.hit_ratio, rr.hit_ratio) if rr else "-",
-                _ratio(f.ttft_mean, rr.ttft_mean) if rr else "-",
-                _ratio(f.e2e_mean, rr.e2e_mean) if rr else "-",
-                _ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
-                _ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
-                _ratio(f.e2e_mean, sgl.e2e_mean) if sgl else "-",
+                ratio(f.hit_ratio, rr.hit_ratio) if rr else "-",
+                ratio(f.ttft_mean, rr.ttft_mean) if rr else "-",
+                ratio(f.e2e_mean, rr.e2e_mean) if rr else "-",
+                ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
+                ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
+                ratio(f.e2e_mean, sgl.e2e_mean) if sgl else "-",
             ]
         )
     print()

@@ -39,7 +39,7 @@ import aiohttp
 
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
-from loadtest.report import format_table, percentile
+from loadtest.report import format_table, percentile, ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
 from loadtest.trace import TraceRequest, prompt_messages, read_trace
@@ -149,10 +149,10 @@ def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Con
     return Contender(f"kvroute {name}", port, [_kvroute_bin(), "serve", "--config", str(config)])
 
 
-async def _ready(url: str, timeout: float) -> None:
+async def wait_serving(url: str, timeout: float, model: str = MODEL) -> None:
     """Until the router answers a chat request (kvroute needs its first health check first)."""
     deadline = time.monotonic() + timeout
-    body = {"model": MODEL, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
+    body = {"model": model, "messages": [{"role": "user", "content": "ready?"}], "max_tokens": 1}
     async with aiohttp.ClientSession() as session:
         while time.monotonic() < deadline:
             with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError):
@@ -200,7 +200,7 @@ def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], wor
         router.start(workdir)
         wait_listening(router.port, 60.0, router.process)
         url = f"http://127.0.0.1:{router.port}"
-        asyncio.run(_ready(url, 60.0))
+        asyncio.run(wait_serving(url, 60.0))
         warm = asyncio.run(_received(urls))
         started = time.perf_counter()
         results = asyncio.run(_replay(url, requests, bench))
@@ -243,10 +243,6 @@ def figures(row: Row) -> Figures:
         throughput=len(good) / row.wall_s if row.wall_s else math.nan,
         share=max(row.received) * len(row.received) / total if total else math.nan,
     )
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
 
 
 def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[Row]) -> None:
@@ -297,10 +293,10 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
             ratios.append(
                 [
                     name,
-                    _ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
-                    _ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
-                    _ratio(f.ttft_p99, sgl.ttft_p99) if sgl else "-",
-                    _ratio(f.e2e_p50, rr.e2e_p50) if rr else "-",
+                    ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
+                    ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
+                    ratio(f.ttft_p99, sgl.ttft_p99) if sgl else "-",
+                    ratio(f.e2e_p50, rr.e2e_p50) if rr else "-",
                 ]
             )
         heads = ["ratios", "hit vs sglang", "TTFT mean vs sglang", "TTFT p99 vs sglang", "e2e p50 vs RR"]

@@ -45,6 +45,11 @@ def summarize(results: Sequence[Result]) -> Summary:
     )
 
 
+def ratio(a: float, b: float) -> str:
+    """``a / b`` as ``1.23x`` for a benchmark's ratio columns; ``-`` when either is unknown."""
+    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
+
+
 def format_table(headers: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     """A left-aligned first column and right-aligned others, as a terminal table."""
     cells = [[str(h) for h in headers], *[[str(c) for c in row] for row in rows]]

@@ -14,8 +14,8 @@ from openai import AsyncOpenAI
 from loadtest.vllm_replicas import SERVED_MODEL, VllmReplica
 from router.http.app import INDEX
 from router.index.precise import PreciseIndex
-from tests.helpers import MakeRouter, scrape, total, wait_for
-from tests.real_engines.traffic import backends, complete, precise_index, text
+from tests.helpers import MakeRouter, wait_for
+from tests.real_engines.traffic import backends, complete, precise_index, subscribed, text
 
 
 async def test_duplicate_copies_of_a_block_are_counted_until_the_last_is_evicted(
@@ -25,11 +25,7 @@ async def test_duplicate_copies_of_a_block_are_counted_until_the_last_is_evicted
     http: aiohttp.ClientSession,
 ) -> None:
     router = await make_router(backends(vllm_pair), index=precise_index())
-
-    async def subscribed() -> bool:
-        return total(await scrape(http, router.url), "kvroute_kv_events_connected") == 2
-
-    await wait_for(subscribed, timeout=30, what="both engines' KV events followed")
+    await subscribed(http, router.url)
     index = router.app[INDEX]
     assert isinstance(index, PreciseIndex)
     e0 = openai_client.with_options(base_url=f"{vllm_pair[0].url}/v1")

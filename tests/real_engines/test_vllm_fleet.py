@@ -10,7 +10,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.vllm_replicas import BLOCK_SIZE, SERVED_MODEL, VllmReplica
 from tests.helpers import MakeRouter, wait_for
-from tests.real_engines.traffic import backends, text
+from tests.real_engines.traffic import backend_view, backends, text
 
 
 def engine_metrics(replica: VllmReplica) -> dict[str, float]:
@@ -26,11 +26,6 @@ def engine_capacity_tokens(replica: VllmReplica) -> int:
     return int(info.labels["num_gpu_blocks"]) * int(info.labels["block_size"])
 
 
-async def shown(http: aiohttp.ClientSession, router_url: str, name: str) -> dict:
-    async with http.get(f"{router_url}/admin/backends") as resp:
-        return next(b for b in (await resp.json())["backends"] if b["name"] == name)
-
-
 async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     vllm_pair: list[VllmReplica],
     make_router: MakeRouter,
@@ -41,7 +36,7 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     router = await make_router(
         backends(vllm_pair), engine_metrics={"interval_s": 0.2}, routing={"policy": "least_load"}
     )
-    before = await shown(http, router.url, "e0")
+    before = await backend_view(http, router.url, "e0")
     assert before["engine_capacity_tokens"] == engine_capacity_tokens(e0) == 1024 * BLOCK_SIZE
     # A long generation straight to e0 keeps it running a request with blocks in use.
     direct = openai_client.with_options(base_url=f"{e0.url}/v1")
@@ -56,11 +51,11 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     try:
 
         async def busy() -> bool:
-            view = await shown(http, router.url, "e0")
+            view = await backend_view(http, router.url, "e0")
             return view["engine_running"] == 1 and (view["kv_usage"] or 0) > 0
 
         await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
-        view = await shown(http, router.url, "e0")
+        view = await backend_view(http, router.url, "e0")
         truth = engine_metrics(e0)
         assert view["engine_running"] == truth["vllm:num_requests_running"] == 1
         assert view["engine_waiting"] == truth["vllm:num_requests_waiting"] == 0
@@ -75,6 +70,6 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         await stream.close()
 
     async def idle() -> bool:
-        return (await shown(http, router.url, "e0"))["engine_running"] == 0
+        return (await backend_view(http, router.url, "e0"))["engine_running"] == 0
 
     await wait_for(idle, timeout=20, what="the aborted stream gone from e0")

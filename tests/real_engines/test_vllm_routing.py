@@ -13,22 +13,16 @@ from openai import AsyncOpenAI
 from loadtest.vllm_replicas import BLOCK_SIZE, VllmReplica
 from router.http.app import INDEX
 from router.index.precise import PreciseIndex
-from tests.helpers import MakeRouter, scrape, total, wait_for
+from tests.helpers import MakeRouter, wait_for
 from tests.real_engines.traffic import (
     Conversation,
     backends,
     chat,
     complete,
     precise_index,
+    subscribed,
     text,
 )
-
-
-async def subscribed(http: aiohttp.ClientSession, router_url: str, count: int = 2) -> None:
-    async def connected() -> bool:
-        return total(await scrape(http, router_url), "kvroute_kv_events_connected") == count
-
-    await wait_for(connected, timeout=30, what="subscribed to every engine's KV events")
 
 
 async def test_approximate_routing_sticks_conversations_to_their_replica(

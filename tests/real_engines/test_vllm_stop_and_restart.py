@@ -20,14 +20,9 @@ from openai import AsyncOpenAI
 from loadtest.vllm_replicas import SERVED_MODEL, VllmReplica
 from router.http.app import INDEX
 from tests.helpers import MakeRouter, scrape, total, wait_for
-from tests.real_engines.traffic import Conversation, backends, precise_index, text
+from tests.real_engines.traffic import Conversation, backend_view, backends, precise_index, subscribed, text
 
 HEALTH = {"interval_s": 0.5, "timeout_s": 1.0, "unhealthy_after": 2}
-
-
-async def state_of(http: aiohttp.ClientSession, router_url: str, name: str) -> dict:
-    async with http.get(f"{router_url}/admin/backends") as resp:
-        return next(b for b in (await resp.json())["backends"] if b["name"] == name)
 
 
 async def test_a_replica_stopped_mid_stream_then_restarted(
@@ -37,11 +32,7 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     http: aiohttp.ClientSession,
 ) -> None:
     router = await make_router(backends(vllm_pair), index=precise_index(), health=HEALTH)
-
-    async def subscribed() -> bool:
-        return total(await scrape(http, router.url), "kvroute_kv_events_connected") == 2
-
-    await wait_for(subscribed, timeout=30, what="both engines' KV events followed")
+    await subscribed(http, router.url)
     body = {
         "model": SERVED_MODEL,
         "prompt": text(900, 300),
@@ -78,7 +69,7 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     victim.process.wait(30)
 
     async def ejected() -> bool:
-        return (await state_of(http, router.url, victim_name))["state"] == "unhealthy"
+        return (await backend_view(http, router.url, victim_name))["state"] == "unhealthy"
 
     await wait_for(ejected, timeout=10, what=f"{victim_name} out of rotation")
     served = await client.completions.with_raw_response.create(
@@ -94,7 +85,7 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     await asyncio.to_thread(victim.wait_ready)
 
     async def readmitted() -> bool:
-        view = await state_of(http, router.url, victim_name)
+        view = await backend_view(http, router.url, victim_name)
         resyncs = total(
             await scrape(http, router.url), "kvroute_kv_events_resyncs_total", backend=victim_name
         )

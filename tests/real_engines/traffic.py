@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import aiohttp
 from openai import AsyncOpenAI
 
 from loadtest.vllm_replicas import BLOCK_SIZE, SERVED_MODEL, VllmReplica, engine_model
+from tests.helpers import scrape, total, wait_for
 
 WORDS = (
     "router replica prefix cache block token engine queue prompt conversation request policy "
@@ -36,6 +38,21 @@ def precise_index() -> dict[str, Any]:
     """``index`` for precise mode with the tiny model's tokenizer and the engines' block size."""
     tokenizer = Path(engine_model()) / "tokenizer.json"
     return {"mode": "events", "events": {"block_size": BLOCK_SIZE}, "tokenizer": {"path": str(tokenizer)}}
+
+
+async def subscribed(http: aiohttp.ClientSession, router_url: str, count: int = 2) -> None:
+    """Until the router at ``router_url`` follows ``count`` engines' KV events."""
+
+    async def connected() -> bool:
+        return total(await scrape(http, router_url), "kvroute_kv_events_connected") == count
+
+    await wait_for(connected, timeout=30, what="subscribed to every engine's KV events")
+
+
+async def backend_view(http: aiohttp.ClientSession, router_url: str, name: str) -> dict[str, Any]:
+    """Backend ``name`` as ``GET /admin/backends`` shows it."""
+    async with http.get(f"{router_url}/admin/backends") as resp:
+        return next(b for b in (await resp.json())["backends"] if b["name"] == name)
 
 
 @dataclass
