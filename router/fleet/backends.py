@@ -89,7 +89,7 @@ class Backend:
             self.name,
             in_flight=self.in_flight,
             healthy=self.healthy,
-            circuit_state=int(self.circuit.state),
+            circuit_state=self.circuit.state.name.lower(),
             draining=self.draining or self.terminating,
             waiting=engine.waiting if engine else None,
             running=engine.running if engine else None,

@@ -13,7 +13,7 @@ What applies live, and why the rest needs a restart:
   otherwise), ``backends`` (with static discovery: added, removed, or replaced when their
   entry changed), ``upstream`` timeouts and attempts, ``tenancy``, ``limits`` rates and
   caps, ``auth`` keys, the ``admin`` key, ``log_level``.
-* restart: ``listen`` and ``admin.listen`` (sockets), ``index`` (the index and its hashing
+* restart: ``listen``, ``admin.listen`` and ``metrics`` (sockets), ``index`` (the index and its hashing
   define what every stored belief means), ``discovery``, ``health``, ``engine_metrics``
   (background loops built at start), and ``limits`` body and header sizes (fixed in the
   HTTP server). A reload that changes them applies everything else, keeps their running
@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.reload")
 
 #: Sections a running router cannot change (see the module docstring).
-RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics")
+RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics")
 #: ``limits`` keys fixed in the HTTP server at start.
 RESTART_LIMITS = ("max_body_bytes", "max_line_size", "max_field_size", "max_headers")
 

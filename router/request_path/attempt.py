@@ -186,7 +186,7 @@ class Attempt:
         """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
         self._release_prefill()
         self._ttft = at - self._sent
-        self._books.metrics.ttft_by(self._routable.endpoint).observe(at - self._started)
+        self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
@@ -235,7 +235,7 @@ class Attempt:
         backend.in_flight -= 1
         label = self._label or CLIENT_CLOSED
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
-        metrics.latency_by(routable.endpoint).observe(time.perf_counter() - self._started)
+        metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:
             self._index.finished(backend.name, self._chain)
         if self._learner is not None:
