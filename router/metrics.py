@@ -90,7 +90,9 @@ class RouterMetrics:
         )
         self.decision_time = Histogram(
             "kvroute_routing_decision_seconds",
-            "Time from dispatch to backend chosen: hashing, index lookup (a round trip if remote), policy",
+            "Time from dispatch to backend chosen: hashing, index lookup (a round trip if remote), policy; "
+            "by model",
+            ["model"],
             buckets=DECISION_BUCKETS,
             registry=r,
         )
@@ -195,6 +197,7 @@ class RouterMetrics:
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)
         self.ttft_by = Children(self.ttft)
+        self.decision_time_by = Children(self.decision_time)
         self.decisions_by = Children(self.decisions)
         self.prompt_tokens_by = Children(self.prompt_tokens)
         self.matched_tokens_by = Children(self.matched_tokens)

@@ -36,7 +36,7 @@ async def metrics_text(http: aiohttp.ClientSession, url: str) -> str:
 async def test_a_real_scrape_passes_promtool_and_follows_the_conventions(fleet, make_router, http):
     with redis_server() as redis:
         router = await make_router(backends_of(fleet), index={"store": "redis", "redis": {"url": redis.url}})
-        for i in range(3):
+        for _ in range(3):
             async with http.post(f"{router.url}/v1/chat/completions", json={**CHAT, "stream": True}) as resp:
                 assert resp.status == 200
                 await resp.read()
