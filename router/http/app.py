@@ -164,7 +164,7 @@ def build_app(
     ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``); ``group``:
     this process is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
     """
-    pool = BackendPool(config.backends, config.health)
+    pool = BackendPool(config.backends, config.health, config.upstream.tls)
     router_metrics = RouterMetrics()
     runtime = Runtime(config, pool, router_metrics.registry, config_path)
     # Client keys on /v1/, the admin key on /admin/ (router/http/auth.py), read through the runtime

@@ -97,6 +97,7 @@ class Attempt:
         "first_byte_timeout",
         "headers",
         "tap",
+        "tls",
         "upstream_key",
         "url",
     )
@@ -131,6 +132,7 @@ class Attempt:
         self._cached: int | None = None
         self.backend = backend
         self.url = backend.url
+        self.tls = backend.tls
         self.upstream_key = backend.config.upstream_api_key
         self.first_byte_timeout = first_byte_timeout
         # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
