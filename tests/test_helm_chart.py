@@ -89,8 +89,20 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
     },
     "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
-    # Every setting the router documents passes the chart's schema of `config` (but `listen`, the chart's).
-    "every_config_setting": {"config": {k: v for k, v in EXAMPLE_CONFIG.items() if k != "listen"}},
+    "metrics_port": {
+        "service": {"metricsPort": 9090},
+        "monitoring": {"serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        },
+    },
+    # Every setting the router documents passes the chart's schema of `config` (but `listen`
+    # and `metrics`, the chart's).
+    "every_config_setting": {
+        "config": {k: v for k, v in EXAMPLE_CONFIG.items() if k not in ("listen", "metrics")}
+    },
 }
 
 
@@ -390,6 +402,25 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
     assert "ServiceMonitor" not in kinds(off)
 
 
+def test_a_metrics_port_of_its_own_is_what_prometheus_scrapes_and_only_it_may():
+    values = VALUES_SETS["metrics_port"]
+    objects = render(values)
+    listen = router_config(objects).metrics.listen
+    assert listen is not None and (listen.host, listen.port) == ("0.0.0.0", 9090)
+    ports = {p["name"]: p["containerPort"] for p in pod_spec(objects)["containers"][0]["ports"]}
+    assert ports == {"http": 8080, "metrics": 9090}
+    service_ports = {p["name"]: p["targetPort"] for p in find(objects, "Service")["spec"]["ports"]}
+    assert service_ports == {"http": "http", "metrics": "metrics"}
+    assert find(objects, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
+    rules = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    policy = values["networkPolicy"]
+    assert rules == [
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": policy["ingressFrom"]},
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": policy["metricsFrom"]},
+    ]
+    assert router_config(render({})).metrics.listen is None
+
+
 @pytest.mark.parametrize(
     ("values", "complaint"),
     [
@@ -406,6 +437,10 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
         ({"redis": {"enabled": True, "mode": "external"}}, "/redis/external/url"),
         ({"replicas": 3}, "replicas"),
         ({"image": {"digest": "latest"}}, "/image/digest"),
+        (
+            {"config": {"backends": [{"name": "a", "url": "http://a"}], "metrics": {"listen": {"port": 1}}}},
+            "/config/metrics",
+        ),
         # The config's own schema (generated from its types): a typo fails here, not at the pod's start.
         ({"config": {"routing": {"polcy": "cost"}}}, "'/config/routing': additional properties 'polcy'"),
         ({"config": {"index": {"redis": {"timeout_ms": 0}}}}, "/config/index/redis/timeout_ms"),

@@ -92,6 +92,9 @@ redis.enabled the index store and its connection; everything else is the user's.
 {{- $config := deepCopy .Values.config }}
 {{- $listen := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) "drain_timeout_s" (int .Values.termination.shutdownSeconds) }}
 {{- $_ := set $config "listen" $listen }}
+{{- with .Values.service.metricsPort }}
+{{- $_ := set $config "metrics" (dict "listen" (dict "host" "0.0.0.0" "port" (int .))) }}
+{{- end }}
 {{- if .Values.discovery.kubernetes.enabled }}
 {{- $_ := unset $config "backends" }}
 {{- $_ := set $config "discovery" (dict "kind" "kubernetes" "kubernetes" (deepCopy .Values.discovery.kubernetes.settings)) }}
