@@ -11,6 +11,9 @@ import subprocess
 import aiohttp
 import yaml
 
+from router.config import config_from_dict
+from router.http.server import RouterServer
+from router.http.worker_metrics import WorkerGroup
 from router.metrics import CIRCUIT_STATES
 from tests.helpers import backends_of, kvroute, scrape, total, wait_for
 from tests.redis_servers import free_port, redis_server
@@ -119,3 +122,41 @@ async def test_every_scrape_of_several_workers_reports_the_whole_group(tmp_path,
             process.send_signal(signal.SIGTERM)
             await asyncio.to_thread(process.wait, 40)
         assert process.returncode == 0
+
+
+async def test_each_worker_answers_for_the_group_counters_summed_gauges_by_their_meaning(
+    tmp_path, fleet, http
+):
+    """Two workers of one group, in this process, each sent its own requests: a scrape of
+    either reports both, counters summed, in-flight summed, health as the maximum (1, not 2),
+    and the earliest start time."""
+    config = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    async with (
+        RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as first,
+        RouterServer(config, group=WorkerGroup(str(tmp_path), 1, 2)) as second,
+    ):
+        for router, count in ((first, 3), (second, 2)):
+            for _ in range(count):
+                async with http.post(f"{router.url}/v1/chat/completions", json=CHAT) as resp:
+                    assert resp.status == 200
+        alone = await scrape(http, first.url)
+        for router in (first, second):
+            samples = await scrape(http, router.url)
+            assert total(samples, "kvroute_requests_total", status="200") == 5
+            assert total(samples, "kvroute_backend_healthy", backend="e0") == 1
+            assert total(samples, "kvroute_backend_in_flight") == 0
+            assert total(samples, "process_start_time_seconds") <= total(alone, "process_start_time_seconds")
+            assert promtool_problems(await metrics_text(http, router.url)) == ""
+
+
+async def test_a_worker_that_does_not_answer_fails_the_scrape_rather_than_report_part(tmp_path, fleet, http):
+    config = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    async with RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as lonely:
+        async with http.get(f"{lonely.url}/metrics") as resp:
+            assert resp.status == 503
+            error = (await resp.json())["error"]
+        assert error["code"] == "metrics_unavailable"
+        assert error["message"].startswith("worker 1 did not report its metrics:")
+        # The router itself is fine: only its metrics are incomplete.
+        async with http.post(f"{lonely.url}/v1/chat/completions", json=CHAT) as resp:
+            assert resp.status == 200
