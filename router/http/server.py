@@ -14,6 +14,7 @@ from router.config import Config, ConfigError
 from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
 from router.http.protocol_errors import OpenAIErrorRunner
 from router.http.server_log import HTTP_LOG
+from router.http.settings import ListenConfig
 from router.http.worker_metrics import WorkerGroup, serve_to_peers
 
 
@@ -108,18 +109,17 @@ class RouterServer:
     @property
     def metrics_url(self) -> str:
         """Where ``/metrics`` answers: its own listener if configured, else the main one."""
-        if self.metrics_port is None:
-            return self.url
-        host = self.config.metrics.listen.host  # type: ignore[union-attr]
-        return f"http://{host}:{self.metrics_port}"
+        return self._side_url(self.config.metrics.listen, self.metrics_port)
 
     @property
     def admin_url(self) -> str:
         """Where the admin API answers: its own listener if configured, else the main one."""
-        if self.admin_port is None:
+        return self._side_url(self.config.admin.listen, self.admin_port)
+
+    def _side_url(self, listen: ListenConfig | None, port: int | None) -> str:
+        if listen is None or port is None:
             return self.url
-        host = self.config.admin.listen.host  # type: ignore[union-attr]
-        return f"http://{host}:{self.admin_port}"
+        return f"http://{listen.host}:{port}"
 
     def reload(self) -> None:
         """Re-read the config file (SIGHUP); an invalid file is logged and changes nothing."""
