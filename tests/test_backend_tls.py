@@ -29,12 +29,20 @@ def certificates(tmp_path_factory) -> Path:
 
 
 @pytest.fixture
-async def tls_engine(certificates: Path) -> AsyncIterator[SimEngine]:
+def server_names() -> list[str | None]:
+    """The server names (SNI) clients sent ``tls_engine``, in order (None: none sent, as for
+    an IP address)."""
+    return []
+
+
+@pytest.fixture
+async def tls_engine(certificates: Path, server_names: list[str | None]) -> AsyncIterator[SimEngine]:
     """A simulated engine on ``https://127.0.0.1:<port>`` that asks every client for a
     certificate signed by the test CA."""
     context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH, cafile=str(certificates / "ca.crt"))
     context.load_cert_chain(certificates / "server.crt", certificates / "server.key")
     context.verify_mode = ssl.CERT_REQUIRED
+    context.sni_callback = lambda _socket, name, _context: server_names.append(name)
     engine = SimEngine(FAST, name="tls")
     await engine.start(tls=context)
     yield engine
@@ -73,7 +81,7 @@ async def test_requests_health_models_and_scrapes_reach_an_engine_over_mutual_tl
 
 
 async def test_upstream_tls_is_the_default_and_server_name_is_what_is_verified(
-    tls_engine, certificates, make_router, http
+    tls_engine, server_names, certificates, make_router, http
 ):
     """``upstream.tls`` covers backends without their own; ``server_name`` is sent as SNI and
     checked against the certificate (which names 127.0.0.1 and localhost, nothing else)."""
@@ -83,6 +91,8 @@ async def test_upstream_tls_is_the_default_and_server_name_is_what_is_verified(
     )
     async with http.post(f"{router.url}/v1/chat/completions", json=CHAT) as resp:
         assert resp.status == 200
+    # Health checks, scrapes and the request all sent it (none would for the URL's IP address).
+    assert server_names and set(server_names) == {"localhost"}
 
     wrong_name = BackendTLSConfig(**mutual(certificates, server_name="engine.example"))
     pool = UpstreamPool(UpstreamConfig())
