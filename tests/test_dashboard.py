@@ -59,6 +59,17 @@ def expressions() -> list[tuple[str, str]]:
     return [(f"{p['title']} [{t['refId']}]", t["expr"]) for p in panels() for t in p["targets"]]
 
 
+def variable_selectors() -> dict[str, tuple[str, str]]:
+    """Each query variable's series selector and label, from its ``label_values(selector, label)``."""
+    found = {}
+    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        if variable["type"] == "query":
+            match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["definition"])
+            assert match, variable["definition"]
+            found[variable["name"]] = (match[1], match[2])
+    return found
+
+
 def concrete(expr: str) -> str:
     for name, value in VARIABLES.items():
         expr = expr.replace(name, value)
@@ -207,6 +218,14 @@ async def test_every_panel_query_parses_and_returns_data(make_router, http):
                     interval=0.5,
                     detail=lambda: "panels without data:\n" + "\n".join(empty),
                 )
+                # The variables' series selectors parse, and offer the values the test made
+                # (a static scrape config sets no namespace label: its list stays empty here).
+                offered = {}
+                for name, (selector, label) in variable_selectors().items():
+                    series = await prometheus.query(concrete(selector))
+                    offered[name] = {s["metric"].get(label) for s in series} - {None}
+                assert offered["job"] == {"kvroute"}
+                assert MODEL in offered["model"] and "doomed" in offered["backend"]
 
 
 async def _panels_without_data(prometheus: PrometheusServer) -> list[str]:
