@@ -157,6 +157,13 @@ def test_tls_settings_are_checked_at_load(certificates, tmp_path):
         {"cert_file": str(certificates / "client.crt"), "key_file": str(certificates / "server.key")}
     )
     assert message.startswith("backends[0].tls.cert_file: cannot load it with key_file")
+    with pytest.raises(ConfigError, match=f"upstream.tls.ca_file: cannot read {missing}"):
+        config_from_dict(
+            {
+                "backends": [{"name": "a", "url": "https://127.0.0.1:1"}],
+                "upstream": {"tls": {"ca_file": str(missing)}},
+            }
+        )
     with pytest.raises(ConfigError, match=r"upstream\.tls\.verify"):
         config_from_dict(
             {"backends": [{"name": "a", "url": "http://127.0.0.1:1"}], "upstream": {"tls": {"verify": "no"}}}
