@@ -128,10 +128,13 @@ class RouterServer:
             self.app[RUNTIME].reload_file()
 
     async def stop(self) -> None:
-        for side in (self._admin_runner, self._metrics_runner, self._peer_runner):
+        for side in (self._admin_runner, self._metrics_runner):
             if side is not None:
                 await side.cleanup()
         await self._runner.cleanup()
+        # Last: while this worker drains, the others' scrapes still get its numbers.
+        if self._peer_runner is not None:
+            await self._peer_runner.cleanup()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
