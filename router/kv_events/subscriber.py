@@ -28,7 +28,8 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 import zmq
@@ -233,12 +234,20 @@ class KVEventsManager:
         #: The pool's backends, whose ``kv_events_state`` this manager keeps (see follow).
         self._backends: dict[str, Backend] = {}
 
-    def add_backend(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
-        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names."""
+    def add_backend(
+        self,
+        name: str,
+        url: str,
+        engine: str,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names
+        (asked with ``options``, the backend's TLS)."""
         if name in self._tasks:
             return
         self._tasks[name] = asyncio.create_task(
-            self._follow(name, url, engine, endpoint), name=f"kv-events-{name}"
+            self._follow(name, url, engine, endpoint, options), name=f"kv-events-{name}"
         )
 
     def follow(self, pool: BackendPool) -> None:
@@ -250,7 +259,7 @@ class KVEventsManager:
     def _added(self, backend: Backend) -> None:
         config = backend.config
         self._backends[backend.name] = backend
-        self.add_backend(backend.name, backend.url, config.engine, config.kv_events)
+        self.add_backend(backend.name, backend.url, config.engine, config.kv_events, backend.client_options())
 
     def _show(self, name: str, state: str, sources: list[EventSource] | None = None) -> None:
         backend = self._backends.get(name)
@@ -278,12 +287,19 @@ class KVEventsManager:
             await asyncio.gather(*self._removals)
         self._ctx.term()
 
-    async def _follow(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
+    async def _follow(
+        self,
+        name: str,
+        url: str,
+        engine: str,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None,
+    ) -> None:
         if endpoint is not None:
             sources = configured_sources(name, endpoint)
         else:
             self._show(name, "discovering")
-            sources = await self._discover(name, url, engine)
+            sources = await self._discover(name, url, engine, options)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
         self._show(name, "connecting", sources)
         subscribers: list[StreamSubscriber] = []
@@ -340,11 +356,13 @@ class KVEventsManager:
         else:
             self._show(name, "connecting")
 
-    async def _discover(self, name: str, url: str, engine: str) -> list[EventSource]:
+    async def _discover(
+        self, name: str, url: str, engine: str, options: Mapping[str, Any] | None
+    ) -> list[EventSource]:
         interval = self.settings.discovery_interval_s
         while True:
             try:
-                return await discover_sources(self._session, name, url, engine, timeout_s=interval)
+                return await discover_sources(self._session, name, url, engine, interval, options)
             except DiscoveryError as exc:
                 self.metrics.errors.labels(name, "discovery").inc()
                 log.warning("KV events of %s not found (%s); retrying in %.0f s", name, exc, interval)
