@@ -1,7 +1,7 @@
 """The routing benchmark on real engines: vLLM replicas (CPU build, tiny model), a trace slice.
 
     bash tests/real_engines/setup.sh      # once: the engine's venv and the tiny model
-    kvroute bench real-engines --minutes 2 --speedup 4 --kv-cache-mib 8
+    kvroute bench real-engines --minutes 0.5 --speedup 0.5 --kv-cache-mib 8
 
 Two vLLM replicas (``loadtest.vllm_replicas``; the machine holds no more) with small KV caches,
 so that where a prompt goes decides whether its prefix is still cached; the shipped Mooncake
@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
+import random
 import sys
 import tempfile
 import time
@@ -39,7 +40,7 @@ from loadtest.bench_routing import TRACE, wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
 from loadtest.report import format_table, percentile, ratio
-from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest, block_text, read_trace
+from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (
     BLOCK_SIZE,
     SERVED_MODEL,
@@ -57,9 +58,13 @@ KVROUTE = {
     "prefix_aware+events": ("{policy: prefix_aware, seed: 1}", None),
 }
 DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "sglang")
-#: Characters of trace-block text per token: the tiny model's BPE, trained on code and prose,
-#: cuts the benchmark's block text at about this rate.
-CHARS_PER_TOKEN = 3
+#: Common words, each one token of the tiny model's BPE (trained on kvroute's own text): a trace
+#: block becomes as many of them as it has tokens, so prompt lengths come out as the trace scales
+#: them (the simulated engines' ``<blk …>`` stamps cost that tokenizer about one token a character).
+WORDS = (
+    "the of and to in is for that with as on are by this it from be or an at which each its when not "
+    "has can one all new block request engine prefix cache token router backend model"
+).split()
 
 
 @dataclass(frozen=True)
@@ -96,15 +101,21 @@ def scaled(requests: Sequence[TraceRequest], bench: Bench) -> list[TraceRequest]
     return out
 
 
+def block_words(hash_id: int, tokens: int) -> list[str]:
+    """The text of one trace block, as words: equal ids give equal text, distinct ids differ."""
+    rng = random.Random(hash_id)
+    return [rng.choice(WORDS) for _ in range(tokens)]
+
+
 def messages(request: TraceRequest, scale: int) -> list[dict[str, str]]:
-    """One user message per trace block (its text, ``512 / scale`` tokens' worth), cut to length."""
+    """One user message per trace block (``512 / scale`` words), cut to the prompt's length."""
     block_tokens = TRACE_BLOCK_TOKENS // scale
-    remaining = request.input_tokens * CHARS_PER_TOKEN
+    remaining = request.input_tokens
     out = []
     for hash_id in request.hash_ids:
-        text = block_text(hash_id, tokens=block_tokens, chars_per_token=CHARS_PER_TOKEN)[:remaining]
-        out.append({"role": "user", "content": text})
-        remaining -= len(text)
+        words = block_words(hash_id, block_tokens)[:remaining]
+        out.append({"role": "user", "content": " ".join(words)})
+        remaining -= len(words)
         if remaining <= 0:
             break
     return out
@@ -256,6 +267,9 @@ def print_report(rows: Sequence[Row]) -> None:
     for row in rows:
         if row.missing:
             print(f"{row.name} not run: {row.missing}")
+        failed = [r for r in row.results if not r.ok]
+        if failed:
+            print(f"{row.name}: {len(failed)} failed, the first with {failed[0].status}: {failed[0].error}")
     rr, sgl = figs.get("kvroute round_robin"), figs.get("sglang cache_aware")
     ratios = []
     for name, f in figs.items():
@@ -286,10 +300,10 @@ def print_report(rows: Sequence[Row]) -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvroute bench real-engines", description=__doc__.split("\n")[0])
     parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--minutes", type=float, default=2.0, help="trace minutes to replay (default 2)")
-    parser.add_argument("--speedup", type=float, default=4.0, help="time compression (default 4)")
+    parser.add_argument("--minutes", type=float, default=0.5, help="trace minutes to replay (default 0.5)")
+    parser.add_argument("--speedup", type=float, default=0.5, help="time compression (default 0.5)")
     parser.add_argument("--scale", type=int, default=16, help="trace tokens per benchmark token (default 16)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1500, help="prompt cap (default 1500)")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt cap (default 1024)")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="output cap (default 16)")
     parser.add_argument("--kv-cache-mib", type=int, default=8, help="each replica's KV cache (default 8 MiB)")
     parser.add_argument(
