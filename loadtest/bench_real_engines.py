@@ -1,7 +1,7 @@
 """The routing benchmark on real engines: vLLM replicas (CPU build, tiny model), a trace slice.
 
     bash tests/real_engines/setup.sh      # once: the engine's venv and the tiny model
-    kvroute bench real-engines --minutes 0.5 --speedup 0.5 --kv-cache-mib 8
+    kvroute bench real-engines --minutes 4 --speedup 2 --sample 4
 
 Two vLLM replicas (``loadtest.vllm_replicas``; the machine holds no more) with small KV caches,
 so that where a prompt goes decides whether its prefix is still cached; the shipped Mooncake
@@ -29,6 +29,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -77,6 +78,9 @@ class Bench:
     max_prompt_tokens: int
     max_output_tokens: int
     kv_cache_mib: int
+    #: Keep one conversation in ``sample`` (1: all): a longer stretch of the trace, whose turns
+    #: come back minutes apart, at a load two CPU replicas can serve.
+    sample: int = 1
     timeout_s: float = 300.0
 
 
@@ -90,10 +94,18 @@ class Row:
     missing: str | None = None
 
 
+def conversation(request: TraceRequest) -> int:
+    """A stable number for the conversation a request belongs to: its first three blocks (the
+    turns of one conversation extend the same prefix; unrelated ones part within a few blocks)."""
+    return zlib.crc32(repr(request.hash_ids[:3]).encode())
+
+
 def scaled(requests: Sequence[TraceRequest], bench: Bench) -> list[TraceRequest]:
-    """The trace with every length divided by ``scale``, prompts and outputs capped."""
+    """One conversation in ``sample``, every length divided by ``scale``, prompts and outputs capped."""
     out = []
     for r in requests:
+        if conversation(r) % bench.sample:
+            continue
         tokens = min(max(1, r.input_tokens // bench.scale), bench.max_prompt_tokens)
         out.append(
             replace(r, input_tokens=tokens, output_tokens=min(r.output_tokens, bench.max_output_tokens))
@@ -305,6 +317,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--scale", type=int, default=16, help="trace tokens per benchmark token (default 16)")
     parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt cap (default 1024)")
     parser.add_argument("--max-output-tokens", type=int, default=16, help="output cap (default 16)")
+    parser.add_argument("--sample", type=int, default=1, help="keep one conversation in N (default 1: all)")
     parser.add_argument("--kv-cache-mib", type=int, default=8, help="each replica's KV cache (default 8 MiB)")
     parser.add_argument(
         "--contenders",
@@ -329,10 +342,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         max_prompt_tokens=args.max_prompt_tokens,
         max_output_tokens=args.max_output_tokens,
         kv_cache_mib=args.kv_cache_mib,
+        sample=args.sample,
     )
     requests = scaled(read_trace(bench.trace, minutes=bench.minutes), bench)
     print(
-        f"{len(requests)} requests: the first {bench.minutes:g} min of {bench.trace.name}, lengths / "
+        f"{len(requests)} requests: the first {bench.minutes:g} min of {bench.trace.name}"
+        f"{f' (one conversation in {bench.sample})' if bench.sample > 1 else ''}, lengths / "
         f"{bench.scale} (prompts <= {bench.max_prompt_tokens}, outputs <= {bench.max_output_tokens} tokens), "
         f"{bench.speedup:g}x compressed, streamed chat; 2 vLLM replicas x {bench.kv_cache_mib} MiB of KV "
         f"cache (blocks of {BLOCK_SIZE} tokens), caches reset for each contender\n",
