@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import urllib.request
 
 import aiohttp
@@ -55,12 +56,15 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
             return view["engine_running"] == 1 and (view["kv_usage"] or 0) > 0
 
         await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
+        # The engine's usage grows by a block every 32 tokens decoded: the router's scrape, taken
+        # between two reads of the engine's own /metrics, lies between them.
+        before = engine_metrics(e0)
+        await asyncio.sleep(0.5)  # more than two scrape intervals: the router's view is newer than `before`
         view = await backend_view(http, router.url, "e0")
-        truth = engine_metrics(e0)
-        assert view["engine_running"] == truth["vllm:num_requests_running"] == 1
-        assert view["engine_waiting"] == truth["vllm:num_requests_waiting"] == 0
-        # The engine's usage grows by a block every 32 tokens decoded: compare within a few blocks.
-        assert abs(view["kv_usage"] - truth["vllm:kv_cache_usage_perc"]) <= 4 / 1024
+        after = engine_metrics(e0)
+        assert view["engine_running"] == after["vllm:num_requests_running"] == 1
+        assert view["engine_waiting"] == after["vllm:num_requests_waiting"] == 0
+        assert 0 < before["vllm:kv_cache_usage_perc"] <= view["kv_usage"] <= after["vllm:kv_cache_usage_perc"]
         # The busy replica is the one least_load avoids.
         answer = await openai_client.with_options(
             base_url=f"{router.url}/v1"

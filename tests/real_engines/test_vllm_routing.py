@@ -149,7 +149,7 @@ async def test_closed_loop_reads_usage_yet_the_client_gets_the_stream_it_asked_f
         model="tiny", messages=[{"role": "user", "content": text(800, 60)}], max_tokens=6, stream=True
     )
     served_by = next(r for r in vllm_pair if r.name == raw.headers["x-kvroute-backend"])
-    chunks = [chunk async for chunk in await raw.parse()]
+    chunks = [chunk async for chunk in raw.parse()]
     assert all(chunk.usage is None for chunk in chunks)
     assert [c.system_fingerprint for c in chunks if c.system_fingerprint] == [engine_fingerprint(served_by)]
 
