@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import asyncio
 import urllib.request
 
 import aiohttp
@@ -58,13 +57,17 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
         # The engine's usage grows by a block every 32 tokens decoded: the router's scrape, taken
         # between two reads of the engine's own /metrics, lies between them.
-        before = engine_metrics(e0)
-        await asyncio.sleep(0.5)  # more than two scrape intervals: the router's view is newer than `before`
+        before = engine_metrics(e0)["vllm:kv_cache_usage_perc"]
+
+        async def scraped_since() -> bool:
+            return (await backend_view(http, router.url, "e0"))["kv_usage"] >= before
+
+        await wait_for(scraped_since, timeout=10, what="a scrape newer than the engine's first read")
         view = await backend_view(http, router.url, "e0")
         after = engine_metrics(e0)
         assert view["engine_running"] == after["vllm:num_requests_running"] == 1
         assert view["engine_waiting"] == after["vllm:num_requests_waiting"] == 0
-        assert 0 < before["vllm:kv_cache_usage_perc"] <= view["kv_usage"] <= after["vllm:kv_cache_usage_perc"]
+        assert 0 < before <= view["kv_usage"] <= after["vllm:kv_cache_usage_perc"]
         # The busy replica is the one least_load avoids.
         answer = await openai_client.with_options(
             base_url=f"{router.url}/v1"
