@@ -22,6 +22,9 @@ from pathlib import Path
 
 from loadtest.null_backend import MODEL
 
+#: A benchmarked router's admin listener: loopback, any free port (routers run side by side).
+ADMIN_ON_ANY_PORT = "admin: {listen: {host: 127.0.0.1, port: 0}}"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -128,6 +131,7 @@ def kvroute(
     config = workdir / f"kvroute-{port}.yaml"
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
+        ADMIN_ON_ANY_PORT,
         "log_level: warning",
         "routing: {policy: prefix_aware}",
     ]

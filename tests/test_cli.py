@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import itertools
 import json
-import socket
 import subprocess
 import sys
 import urllib.error
@@ -14,24 +13,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for_sync
+from tests.helpers import free_port_pair, wait_for_sync
 
 KVROUTE = [sys.executable, "-m", "kvroute.cli"]
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (the simulated fleet takes consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            with socket.socket() as second:
-                second.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -83,12 +67,11 @@ def test_sim_and_serve_work_together(tmp_path: Path, processes):
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        router_port = probe.getsockname()[1]
+    router_port = free_port_pair()
     config = tmp_path / "kvroute.yaml"
     config.write_text(
         f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+        f"admin: {{listen: {{host: 127.0.0.1, port: {router_port + 1}}}}}\n"
         "backends:\n"
         f"  - {{name: a, url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
         f"  - {{name: b, url: 'http://127.0.0.1:{engine_port + 1}', engine: vllm}}\n"

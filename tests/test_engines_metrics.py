@@ -108,7 +108,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         )
 
         async def backend() -> dict:
-            async with http.get(f"{router.url}/admin/backends") as resp:
+            async with http.get(f"{router.admin_url}/admin/backends") as resp:
                 return (await resp.json())["backends"][0]
 
         first = await backend()
@@ -135,7 +135,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
 async def test_simulated_vllm_engines_are_scraped_with_their_cache_geometry(make_router, http):
     async with SimFleet(2, timing=FAST) as fleet:
         router = await make_router(backends_of(fleet))
-        async with http.get(f"{router.url}/admin/backends") as resp:
+        async with http.get(f"{router.admin_url}/admin/backends") as resp:
             listed = (await resp.json())["backends"]
         expected = FAST.kv_blocks * FAST.block_tokens
         assert [b["engine_capacity_tokens"] for b in listed] == [expected, expected]

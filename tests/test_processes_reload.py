@@ -15,19 +15,20 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.helpers import backends_of, kvroute, wait_for
-from tests.redis_servers import free_port, redis_server
+from tests.helpers import backends_of, free_port_pair, kvroute, wait_for
+from tests.redis_servers import redis_server
 
 WORKERS = 2
 ADMIN = {"Authorization": "Bearer admin-workers-key"}
 
 
 def write(path: Path, port: int, backends: list[dict], redis_url: str, max_attempts: int) -> None:
+    """The config of a router on ``port`` whose admin API listens on ``port + 1`` (every worker binds it)."""
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": backends,
         "index": {"store": "redis", "redis": {"url": redis_url}},
-        "admin": {"key": "admin-workers-key"},
+        "admin": {"key": "admin-workers-key", "listen": {"host": "127.0.0.1", "port": port + 1}},
         "upstream": {"max_attempts": max_attempts},
     }
     path.write_text(yaml.safe_dump(config))
@@ -64,8 +65,8 @@ async def every_worker_shows(url: str, max_attempts: int, timeout: float = 30.0)
 
 async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
     with redis_server() as server:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        port = free_port_pair()
+        url = f"http://127.0.0.1:{port + 1}"  # the admin listener
         config = tmp_path / "c.yaml"
         write(config, port, backends_of(fleet), server.url, max_attempts=1)
         process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=tmp_path / "log")
@@ -99,8 +100,8 @@ async def test_a_reload_asked_while_workers_start_waits_for_them(tmp_path, fleet
     """SIGHUP as soon as the supervisor has started its workers, while they are still importing:
     the reload waits for each worker's handler instead of killing the worker (and the router)."""
     with redis_server() as server:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        port = free_port_pair()
+        url = f"http://127.0.0.1:{port + 1}"  # the admin listener
         config = tmp_path / "c.yaml"
         log = tmp_path / "log"
         write(config, port, backends_of(fleet), server.url, max_attempts=1)

@@ -104,7 +104,7 @@ async def test_reload_does_not_drop_in_flight_streams(engines, deploy, http):
         deployment.write({**base_config([second]), "routing": {"policy": "least_load"}})
         status, payload = await deployment.reload(http, ADMIN)
         assert status == 200, payload
-        async with http.get(f"{url}/admin/backends", headers=ADMIN) as admin:
+        async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=ADMIN) as admin:
             assert [b["name"] for b in (await admin.json())["backends"]] == ["f1"]
         first.release.set()
         received += await resp.read()
@@ -137,10 +137,10 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):
     deployment = await deploy(base_config(engines))
-    async with http.post(f"{deployment.server.url}/admin/reload") as resp:
+    async with http.post(f"{deployment.server.admin_url}/admin/reload") as resp:
         assert resp.status == 401
     router = await make_router(backends(engines))  # started from a dict: nothing to re-read
-    async with http.post(f"{router.url}/admin/reload") as resp:
+    async with http.post(f"{router.admin_url}/admin/reload") as resp:
         assert resp.status == 400
         assert "not started from a config file" in (await resp.json())["error"]["message"]
 
@@ -153,10 +153,10 @@ async def test_the_admin_key_itself_can_be_rotated(engines, deploy, http, tmp_pa
     key_file.write_text("admin-rotated-0123\n")
     status, payload = await deployment.reload(http, ADMIN)
     assert status == 200 and payload["changed"] == []  # same config; the key file's content changed
-    async with http.get(f"{deployment.server.url}/admin/backends", headers=ADMIN) as resp:
+    async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=ADMIN) as resp:
         assert resp.status == 401
     rotated = {"Authorization": "Bearer admin-rotated-0123"}
-    async with http.get(f"{deployment.server.url}/admin/backends", headers=rotated) as resp:
+    async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=rotated) as resp:
         assert resp.status == 200
 
 

@@ -8,80 +8,81 @@ import gc
 import signal
 from collections.abc import Callable
 
-from aiohttp import web
-
 from router.config import Config, ConfigError
-from router.http.app import ADMIN_APP, RUNTIME, build_app
-from router.http.protocol_errors import OpenAIErrorRunner
-from router.http.server_log import HTTP_LOG
+from router.http.app import ADMIN_APP, METRICS, RUNTIME, build_app
+from router.http.listeners import Listener
 
 
 class RouterServer:
-    """The router listening on ``config.listen`` (port 0 picks a free one; see ``url``)."""
+    """The router on its listeners: ``config.listen`` for the API (port 0 picks a free one; see
+    ``url``) and, unless the admin API shares it, ``admin.listen`` for the admin API."""
 
     def __init__(self, config: Config, reuse_port: bool = False, config_path: str | None = None) -> None:
         self.config = config
-        #: SO_REUSEPORT: several worker processes listen on one port, the kernel spreads connections.
-        self.reuse_port = reuse_port
         self.app = build_app(config, config_path)
-        limits = config.limits
+        metrics = self.app[METRICS]
         # handler_cancellation: when a client disconnects, its handler is cancelled, which
         # closes the upstream connection so the engine stops working for nobody.
         # shutdown_timeout: on stop, in-flight handlers get this long (the SIGTERM drain).
-        # OpenAIErrorRunner: requests aiohttp refuses before any handler (malformed or oversized
-        # request line or headers) are answered in the OpenAI shape too (router/http/protocol_errors.py).
-        self._runner = OpenAIErrorRunner(
+        self.main = Listener(
+            "main",
             self.app,
-            handler_cancellation=True,
-            access_log=None,
+            config.listen,
+            config.limits,
+            metrics,
             shutdown_timeout=config.listen.drain_timeout_s,
-            max_line_size=limits.max_line_size,
-            max_field_size=limits.max_field_size,
-            max_headers=limits.max_headers,
-            logger=HTTP_LOG,
+            handler_cancellation=True,
+            reuse_port=reuse_port,
         )
         admin_app = self.app.get(ADMIN_APP)
-        self._admin_runner = (
-            OpenAIErrorRunner(
+        admin_listen = config.admin.listen
+        #: The admin API's own listener (None: it shares the main one, behind the admin key).
+        self.admin = (
+            Listener(
+                "admin",
                 admin_app,
-                access_log=None,
+                admin_listen,
+                config.limits,
+                metrics,
                 shutdown_timeout=1.0,
-                max_line_size=limits.max_line_size,
-                max_field_size=limits.max_field_size,
-                max_headers=limits.max_headers,
-                logger=HTTP_LOG,
+                reuse_port=reuse_port,
             )
-            if admin_app is not None
+            if admin_app is not None and admin_listen is not None
             else None
         )
-        self.port: int | None = None
-        #: The admin API's own port, with ``admin.listen`` (else it shares ``port``).
-        self.admin_port: int | None = None
+        self.listeners = [self.main] + ([self.admin] if self.admin is not None else [])
+        self.app[RUNTIME].certificates = [
+            x.certificates for x in self.listeners if x.certificates is not None
+        ]
+
+    @property
+    def port(self) -> int | None:
+        return self.main.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.listen.host}:{self.port}"
+        return self.main.url
 
-    async def start(self) -> None:
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, self.config.listen.host, self.config.listen.port, reuse_port=self.reuse_port or None
-        )
-        await site.start()
-        self.port = self._runner.addresses[0][1]
-        admin_listen = self.config.admin.listen
-        if self._admin_runner is not None and admin_listen is not None:
-            await self._admin_runner.setup()
-            await web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port).start()
-            self.admin_port = self._admin_runner.addresses[0][1]
+    @property
+    def admin_port(self) -> int | None:
+        """The admin API's own port (None: it shares ``port``)."""
+        return self.admin.port if self.admin is not None else None
 
     @property
     def admin_url(self) -> str:
-        """Where the admin API answers: its own listener if configured, else the main one."""
-        if self.admin_port is None:
-            return self.url
-        host = self.config.admin.listen.host  # type: ignore[union-attr]
-        return f"http://{host}:{self.admin_port}"
+        """Where the admin API answers: its own listener, or the main one when it shares it."""
+        return self.admin.url if self.admin is not None else self.url
+
+    async def start(self) -> None:
+        started: list[Listener] = []
+        try:
+            for listener in self.listeners:
+                await listener.start()
+                started.append(listener)
+        except BaseException:
+            for listener in reversed(started):
+                await listener.stop()
+            raise
 
     def reload(self) -> None:
         """Re-read the config file (SIGHUP); an invalid file is logged and changes nothing."""
@@ -90,9 +91,8 @@ class RouterServer:
             self.app[RUNTIME].reload_file()
 
     async def stop(self) -> None:
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
-        await self._runner.cleanup()
+        for listener in reversed(self.listeners):
+            await listener.stop()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
@@ -147,6 +147,5 @@ async def serve_forever(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         tune_gc()
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)
-        if server.admin_port is not None:
-            print(f"kvroute admin API on {server.admin_url}", flush=True)
+        print(f"kvroute admin API on {server.admin_url}/admin/", flush=True)
         await stop.wait()
