@@ -72,9 +72,28 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
     "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6}},
     "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
-    # Every setting the router documents passes the chart's schema of `config` (but `listen`, the chart's).
-    "every_config_setting": {"config": {k: v for k, v in EXAMPLE_CONFIG.items() if k != "listen"}},
+    # Every setting the router documents passes the chart's `config` schema (but the listeners: the chart's).
+    "every_config_setting": {
+        "config": {
+            **{k: v for k, v in EXAMPLE_CONFIG.items() if k not in ("listen", "admin")},
+            "admin": {k: v for k, v in EXAMPLE_CONFIG["admin"].items() if k != "listen"},
+        }
+    },
+    "admin_exposed": {
+        "admin": {"expose": True, "port": 9090, "existingSecret": "kv-admin"},
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "adminFrom": [{"namespaceSelector": {"matchLabels": {"name": "ops"}}}],
+        },
+    },
 }
+
+
+@pytest.fixture(autouse=True)
+def admin_key_in_env(monkeypatch) -> None:
+    """The admin key a pod gets from ``admin.existingSecret`` (the loader checks that it is set)."""
+    monkeypatch.setenv("KVROUTE_ADMIN_KEY", "admin-key-from-the-secret")
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -216,6 +235,48 @@ def test_builtin_redis_is_a_small_statefulset_reached_by_its_service():
     policy = find(persistent, "NetworkPolicy", f"{FULLNAME}-redis")
     router_labels = find(persistent, "Deployment")["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == router_labels
+
+
+def notes(values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def test_by_default_the_admin_api_is_on_the_pods_loopback_in_no_service():
+    objects = render({"networkPolicy": {"enabled": True}})
+    admin = router_config(objects).admin
+    assert (admin.listen.host, admin.listen.port) == ("127.0.0.1", 8081) and not admin.keyed
+    assert [p["name"] for p in find(objects, "Service")["spec"]["ports"]] == ["http"]
+    assert [p["name"] for p in pod_spec(objects)["containers"][0]["ports"]] == ["http"]
+    rules = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    assert [port["port"] for rule in rules for port in rule["ports"]] == ["http"]
+    assert f"port-forward deploy/{FULLNAME} 8081" in notes({})
+
+
+def test_an_exposed_admin_api_has_its_key_port_and_network_policy():
+    values = VALUES_SETS["admin_exposed"]
+    objects = render(values)
+    admin = router_config(objects).admin
+    assert (admin.listen.host, admin.listen.port, admin.key_env) == ("0.0.0.0", 9090, "KVROUTE_ADMIN_KEY")
+    service_ports = {p["name"]: p for p in find(objects, "Service")["spec"]["ports"]}
+    assert service_ports["admin"]["port"] == 9090 and service_ports["admin"]["targetPort"] == "admin"
+    container = pod_spec(objects)["containers"][0]
+    assert {"name": "admin", "containerPort": 9090, "protocol": "TCP"} in container["ports"]
+    secret = {"secretKeyRef": {"name": "kv-admin", "key": "key"}}
+    assert {"name": "KVROUTE_ADMIN_KEY", "valueFrom": secret} in container["env"]
+    http_rule, admin_rule = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    assert admin_rule == {
+        "ports": [{"port": "admin", "protocol": "TCP"}],
+        "from": values["networkPolicy"]["adminFrom"],
+    }
+    assert http_rule["from"] == values["networkPolicy"]["ingressFrom"]
+    assert "admin key from Secret kv-admin" in notes(values)
+
+
+def test_an_exposed_admin_api_without_a_key_is_refused():
+    with pytest.raises(Exception, match=r"admin\.expose needs an admin key"):
+        render({"admin": {"expose": True}})
 
 
 def test_network_policy_lets_callers_and_prometheus_in():

@@ -67,6 +67,7 @@ app.kubernetes.io/component: redis
 {{/*
 The router's configuration file, built from .Values.config (the same keys as
 config.example.yaml). The chart owns `listen` (the container port and the SIGTERM drain),
+`admin.listen` (loopback unless admin.expose) and, with admin.existingSecret, `admin.key_env`,
 `discovery` when discovery.kubernetes is enabled (`backends` is dropped then), and with
 redis.enabled the index store and its connection; everything else is the user's.
 */}}
@@ -74,6 +75,14 @@ redis.enabled the index store and its connection; everything else is the user's.
 {{- $config := deepCopy .Values.config }}
 {{- $listen := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) "drain_timeout_s" (int .Values.termination.shutdownSeconds) }}
 {{- $_ := set $config "listen" $listen }}
+{{- $admin := deepCopy ($config.admin | default dict) }}
+{{- $_ := set $admin "listen" (dict "host" (ternary "0.0.0.0" "127.0.0.1" .Values.admin.expose) "port" (int .Values.admin.port)) }}
+{{- if .Values.admin.existingSecret }}
+{{- $_ := set $admin "key_env" "KVROUTE_ADMIN_KEY" }}
+{{- else if and .Values.admin.expose (not (or $admin.key $admin.key_env $admin.key_file)) }}
+{{- fail "admin.expose needs an admin key: set admin.existingSecret (or config.admin.key_env with env)" }}
+{{- end }}
+{{- $_ := set $config "admin" $admin }}
 {{- if .Values.discovery.kubernetes.enabled }}
 {{- $_ := unset $config "backends" }}
 {{- $_ := set $config "discovery" (dict "kind" "kubernetes" "kubernetes" (deepCopy .Values.discovery.kubernetes.settings)) }}
