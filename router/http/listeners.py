@@ -24,11 +24,13 @@ BACKLOG = 511
 
 
 class Listener:
-    """``app`` served on ``settings``' address; ``name`` labels its metrics and log lines."""
+    """``app`` served on ``settings``' address; ``name`` labels its metrics and log lines, ``where``
+    is the settings' path in the config (``listen``, ``admin.listen``)."""
 
     def __init__(
         self,
         name: str,
+        where: str,
         app: web.Application,
         settings: ListenConfig,
         limits: LimitsConfig,
@@ -43,7 +45,9 @@ class Listener:
         #: SO_REUSEPORT: each ``--workers`` process binds the same port; the kernel spreads connections.
         self.reuse_port = reuse_port
         self.guard = ConnectionGuard(name, settings, metrics)
-        self.certificates = CertificateStore(name, settings.tls) if settings.tls is not None else None
+        self.certificates = (
+            CertificateStore(name, settings.tls, f"{where}.tls") if settings.tls is not None else None
+        )
         # OpenAIErrorRunner: requests aiohttp refuses before any handler are answered in the
         # OpenAI shape too (router/http/protocol_errors.py); ClientConnection adds the guard.
         self._runner = OpenAIErrorRunner(

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import ssl
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -97,10 +96,10 @@ class Runtime:
             raise
         try:
             certificates = [(store, store.load()) for store in self.certificates]
-        except (OSError, ssl.SSLError) as exc:
+        except ValueError as exc:
             self.reloads.labels("refused").inc()
-            log.error("config reload refused, keeping the running config: listen.tls: %s", exc)
-            raise ConfigError(f"listen.tls: cannot load the certificate, key or client CA: {exc}") from None
+            log.error("config reload refused, keeping the running config: %s", exc)
+            raise ConfigError(str(exc)) from None
         try:
             outcome = self.apply(new)
         except (ValueError, OSError) as exc:  # a key file that changed or vanished since validation

@@ -26,6 +26,7 @@ class RouterServer:
         # shutdown_timeout: on stop, in-flight handlers get this long (the SIGTERM drain).
         self.main = Listener(
             "main",
+            "listen",
             self.app,
             config.listen,
             config.limits,
@@ -40,6 +41,7 @@ class RouterServer:
         self.admin = (
             Listener(
                 "admin",
+                "admin.listen",
                 admin_app,
                 admin_listen,
                 config.limits,

@@ -50,20 +50,35 @@ class TLSConfig:
     def validate(self) -> list[str]:
         try:
             server_context(self)
-        except (OSError, ssl.SSLError, ValueError) as exc:
-            return [f"cannot load the certificate, key or client CA: {exc}"]
+        except ValueError as exc:
+            return [str(exc)]
         return []
 
 
 def server_context(tls: TLSConfig) -> ssl.SSLContext:
-    """A server-side SSLContext from ``tls``'s files (OSError or ssl.SSLError naming the fault)."""
+    """A server-side SSLContext from ``tls``'s files; ValueError naming the key whose file does not load."""
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.minimum_version = ssl.TLSVersion.TLSv1_2
-    context.load_cert_chain(tls.cert, tls.key)
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"cert: cannot load the certificate {tls.cert} with the key {tls.key}: {_reason(exc)}"
+        ) from None
     if tls.client_ca is not None:
-        context.load_verify_locations(cafile=tls.client_ca)
+        try:
+            context.load_verify_locations(cafile=tls.client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"client_ca: cannot load {tls.client_ca}: {_reason(exc)}") from None
         context.verify_mode = ssl.CERT_REQUIRED
     return context
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong, in OpenSSL's words when it has some ("PEM lib" says only where)."""
+    if isinstance(exc, ssl.SSLError):
+        return f"not a PEM file of the expected kind, or the key does not match ({exc.reason or exc})"
+    return exc.strerror or str(exc)
 
 
 @dataclass(frozen=True)

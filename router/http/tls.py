@@ -19,9 +19,11 @@ from router.http.settings import TLSConfig, server_context
 class CertificateStore:
     """A listener's TLS settings and the context its next handshake is served with."""
 
-    def __init__(self, listener: str, tls: TLSConfig) -> None:
+    def __init__(self, listener: str, tls: TLSConfig, where: str) -> None:
         self.listener = listener
         self.tls = tls
+        #: The settings' path in the config (``listen.tls``), naming them in errors.
+        self.where = where
         self.current = server_context(tls)
         #: What the socket holds; its settings match ``current`` (the verify mode is decided
         #: before the callback switches contexts), its certificate is never shown.
@@ -32,8 +34,11 @@ class CertificateStore:
         connection.context = self.current
 
     def load(self) -> ssl.SSLContext:
-        """A context from the files as they are now (OSError or ssl.SSLError: they do not load)."""
-        return server_context(self.tls)
+        """A context from the files as they are now; ValueError naming the key whose file does not load."""
+        try:
+            return server_context(self.tls)
+        except ValueError as exc:
+            raise ValueError(f"{self.where}.{exc}") from None
 
     def use(self, context: ssl.SSLContext) -> None:
         """Serve ``context`` from the next handshake on."""
