@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from router.config import Config, config_from_dict
+from tests.certificates import Authority
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvroute"
@@ -277,6 +278,42 @@ def test_an_exposed_admin_api_has_its_key_port_and_network_policy():
 def test_an_exposed_admin_api_without_a_key_is_refused():
     with pytest.raises(Exception, match=r"admin\.expose needs an admin key"):
         render({"admin": {"expose": True}})
+
+
+@pytest.mark.parametrize("client_ca", [False, True])
+def test_tls_mounts_the_secret_and_probes_and_scrapes_over_https(client_ca, tmp_path):
+    values = {
+        "tls": {"existingSecret": "kv-tls", "clientCA": client_ca},
+        "monitoring": {"serviceMonitor": {"enabled": True, "tlsConfig": {"insecureSkipVerify": True}}},
+    }
+    objects = render(values)
+    for obj in objects:
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    raw = yaml.safe_load(find(objects, "ConfigMap")["data"]["config.yaml"])
+    expected = {"cert": "/etc/kvroute/tls/tls.crt", "key": "/etc/kvroute/tls/tls.key"}
+    if client_ca:
+        expected["client_ca"] = "/etc/kvroute/tls/ca.crt"
+    assert raw["listen"]["tls"] == expected
+    # The router loads the rendered config once the Secret's files are where it says.
+    ca = Authority(tmp_path, "ca")
+    cert, key = ca.issue("router")
+    files = {"cert": cert, "key": key, "client_ca": ca.cert}
+    raw["listen"]["tls"] = {name: str(files[name]) for name in expected}
+    assert config_from_dict(raw).listen.tls is not None
+    spec = pod_spec(objects)
+    assert {"name": "tls", "secret": {"secretName": "kv-tls"}} in spec["volumes"]
+    mount = {"name": "tls", "mountPath": "/etc/kvroute/tls", "readOnly": True}
+    container = spec["containers"][0]
+    assert mount in container["volumeMounts"]
+    for probe in (container["livenessProbe"], container["readinessProbe"]):
+        if client_ca:  # kubelet has no client certificate: the probes check the port accepts
+            assert probe["tcpSocket"] == {"port": "http"} and "httpGet" not in probe
+        else:
+            assert probe["httpGet"]["scheme"] == "HTTPS"
+    endpoint = find(objects, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == {"insecureSkipVerify": True}
+    assert f"https://{FULLNAME}.{NAMESPACE}.svc:8080/v1" in notes(values)
 
 
 def test_network_policy_lets_callers_and_prometheus_in():
