@@ -8,22 +8,36 @@ import gc
 import signal
 from collections.abc import Callable
 
+from aiohttp import web
+
 from router.config import Config, ConfigError
-from router.http.app import ADMIN_APP, METRICS, RUNTIME, build_app
+from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
 from router.http.listeners import Listener
+from router.http.settings import ListenConfig
+from router.http.worker_metrics import WorkerGroup, serve_to_peers
 
 
 class RouterServer:
     """The router on its listeners: ``config.listen`` for the API (port 0 picks a free one; see
-    ``url``) and, unless the admin API shares it, ``admin.listen`` for the admin API."""
+    ``url``), ``admin.listen`` for the admin API unless it shares the main listener, and
+    ``metrics.listen`` for ``/metrics`` when it has one (router/http/listeners.py)."""
 
-    def __init__(self, config: Config, reuse_port: bool = False, config_path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reuse_port: bool = False,
+        config_path: str | None = None,
+        group: WorkerGroup | None = None,
+    ) -> None:
         self.config = config
-        self.app = build_app(config, config_path)
+        #: One of ``serve --workers N``'s processes: it answers the others' metrics requests.
+        self.group = group
+        self.app = build_app(config, config_path, group)
         metrics = self.app[METRICS]
         # handler_cancellation: when a client disconnects, its handler is cancelled, which
         # closes the upstream connection so the engine stops working for nobody.
         # shutdown_timeout: on stop, in-flight handlers get this long (the SIGTERM drain).
+        # reuse_port: every worker of ``serve --workers N`` binds each listener (SO_REUSEPORT).
         self.main = Listener(
             "main",
             "listen",
@@ -35,27 +49,36 @@ class RouterServer:
             handler_cancellation=True,
             reuse_port=reuse_port,
         )
-        admin_app = self.app.get(ADMIN_APP)
-        admin_listen = config.admin.listen
         #: The admin API's own listener (None: it shares the main one, behind the admin key).
-        self.admin = (
-            Listener(
-                "admin",
-                "admin.listen",
-                admin_app,
-                admin_listen,
-                config.limits,
-                metrics,
-                shutdown_timeout=1.0,
-                reuse_port=reuse_port,
-            )
-            if admin_app is not None and admin_listen is not None
-            else None
+        self.admin = self._side(
+            "admin", "admin.listen", self.app.get(ADMIN_APP), config.admin.listen, reuse_port
         )
-        self.listeners = [self.main] + ([self.admin] if self.admin is not None else [])
+        #: ``/metrics``' own listener (None: it is on the main one); whichever worker answers
+        #: reports the whole group (router/http/worker_metrics.py).
+        self.metrics = self._side(
+            "metrics", "metrics.listen", self.app.get(METRICS_APP), config.metrics.listen, reuse_port
+        )
+        self.listeners = [x for x in (self.main, self.admin, self.metrics) if x is not None]
         self.app[RUNTIME].certificates = [
             x.certificates for x in self.listeners if x.certificates is not None
         ]
+        self._peer_runner: web.AppRunner | None = None
+
+    def _side(
+        self,
+        name: str,
+        where: str,
+        app: web.Application | None,
+        listen: ListenConfig | None,
+        reuse_port: bool,
+    ) -> Listener | None:
+        """A listener of its own for ``app``, when it has one."""
+        if app is None or listen is None:
+            return None
+        limits, metrics = self.config.limits, self.app[METRICS]
+        return Listener(
+            name, where, app, listen, limits, metrics, shutdown_timeout=1.0, reuse_port=reuse_port
+        )
 
     @property
     def port(self) -> int | None:
@@ -75,6 +98,16 @@ class RouterServer:
         """Where the admin API answers: its own listener, or the main one when it shares it."""
         return self.admin.url if self.admin is not None else self.url
 
+    @property
+    def metrics_port(self) -> int | None:
+        """``/metrics``' own port (None: it shares ``port``)."""
+        return self.metrics.port if self.metrics is not None else None
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` answers: its own listener if configured, else the main one."""
+        return self.metrics.url if self.metrics is not None else self.url
+
     async def start(self) -> None:
         started: list[Listener] = []
         try:
@@ -85,6 +118,11 @@ class RouterServer:
             for listener in reversed(started):
                 await listener.stop()
             raise
+        if self.group is not None:
+            app = self.app
+            self._peer_runner = await serve_to_peers(
+                self.group, lambda: local_exposition(app[METRICS], app[POOL], app[INDEX])
+            )
 
     def reload(self) -> None:
         """Re-read the config file (SIGHUP); an invalid file is logged and changes nothing."""
@@ -95,6 +133,9 @@ class RouterServer:
     async def stop(self) -> None:
         for listener in reversed(self.listeners):
             await listener.stop()
+        # Last: while this worker drains, the others' scrapes still get its numbers.
+        if self._peer_runner is not None:
+            await self._peer_runner.cleanup()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
@@ -128,6 +169,7 @@ async def serve_forever(
     config_path: str | None = None,
     reuse_port: bool = False,
     reload_peers: Callable[[], None] | None = None,
+    group: WorkerGroup | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain: stop listening, let in-flight responses finish.
 
@@ -136,13 +178,14 @@ async def serve_forever(
     are cancelled after it), which is what Kubernetes expects between SIGTERM and the end of
     the pod's grace period. SIGHUP reloads ``config_path`` (router/http/reload.py). ``reuse_port``:
     one of ``kvroute serve --workers N``'s processes (router/http/processes.py), whose
-    ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers.
+    ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers, and ``group`` says
+    where the others answer for their metrics.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with RouterServer(config, reuse_port=reuse_port, config_path=config_path) as server:
+    async with RouterServer(config, reuse_port=reuse_port, config_path=config_path, group=group) as server:
         server.app[RUNTIME].reload_peers = reload_peers
         loop.add_signal_handler(signal.SIGHUP, server.reload)
         # A worker starts with SIGHUP blocked (router/http/processes.py); a reload asked meanwhile runs now.
@@ -150,4 +193,6 @@ async def serve_forever(
         tune_gc()
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)
         print(f"kvroute admin API on {server.admin_url}/admin/", flush=True)
+        if server.metrics_port is not None:
+            print(f"kvroute metrics on {server.metrics_url}/metrics", flush=True)
         await stop.wait()
