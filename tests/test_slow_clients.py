@@ -9,6 +9,8 @@ import contextlib
 import json
 import time
 
+from tests.fault_engine import MODEL as FAULT_MODEL
+from tests.fault_engine import backends
 from tests.helpers import MakeRouter, backends_of, scrape, total, wait_for
 
 MODEL = "sim-model"
@@ -196,3 +198,28 @@ async def test_connections_beyond_the_caps_are_closed_at_once(fleet, make_router
     refused = "kvroute_client_connections_refused_total"
     assert total(samples, refused, listener="main", reason="max_connections_per_client") == 1
     assert total(samples, refused, listener="main", reason="max_connections") == 1
+
+
+async def test_a_head_pipelined_behind_a_long_stream_is_not_cut(fault_engines, make_router: MakeRouter):
+    """The head deadline runs while the router waits for a head, not while it answers the one
+    before: a stream may outlast it many times."""
+    (engine,) = await fault_engines("stall_mid_stream")
+    router = await make_router(
+        backends([engine]), listen={"host": "127.0.0.1", "port": 0, "header_timeout_s": 0.3}
+    )
+    body = json.dumps({"model": FAULT_MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    reader, writer = await open_connection(router.port)
+    writer.write(
+        b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    assert (await reader.readline()).startswith(b"HTTP/1.1 200")
+    await reader.readuntil(b"data: ")  # the stream has started, and stalls
+    writer.write(b"GET /health HTTP/1.1\r\n")  # the next request's first bytes, pipelined
+    await asyncio.sleep(1.0)  # over three head deadlines
+    engine.release.set()
+    writer.write(b"Host: x\r\n\r\n")
+    await reader.readuntil(b"data: [DONE]")
+    rest = await asyncio.wait_for(reader.readuntil(b'{"status":"ok"}'), 10)
+    assert b"HTTP/1.1 200" in rest
+    writer.close()

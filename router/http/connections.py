@@ -189,6 +189,10 @@ class ClientConnection(OpenAIErrorHandler):
         if self._phase == BODY and self._reading_paused:
             # Not reading is the router's doing (the body's buffer is full until the app reads it).
             self._deadline = now + self._guard.body_timeout
+        elif self._phase == HEAD and (self._request_in_progress or self._messages):
+            # A pipelined head while the previous request is still answered (a stream may run
+            # for minutes): its clock starts once the router is ready to read it.
+            self._deadline = now + self._guard.header_timeout
         if now < self._deadline:
             self._timer = self._loop.call_at(self._deadline, self._check_deadline)
             return
