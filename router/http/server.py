@@ -58,7 +58,10 @@ class RouterServer:
         self.metrics = self._side(
             "metrics", "metrics.listen", self.app.get(METRICS_APP), config.metrics.listen, reuse_port
         )
-        self.listeners = [x for x in (self.main, self.admin, self.metrics) if x is not None]
+        # Started in this order: the side listeners bind before the app starts (the main
+        # listener's setup runs its first health checks and scrapes), so no outgoing connection
+        # of this process can have taken their port first; stopped in reverse, the main first.
+        self.listeners = [x for x in (self.admin, self.metrics, self.main) if x is not None]
         self.app[RUNTIME].certificates = [
             x.certificates for x in self.listeners if x.certificates is not None
         ]
