@@ -33,8 +33,13 @@ CHAT = {"model": "sim-model", "messages": [{"role": "user", "content": "hello"}]
 
 
 def start_router(
-    tmp_path: Path, backends: list[dict[str, Any]], policy: str = "prefix_aware", **listen: Any
+    tmp_path: Path,
+    backends: list[dict[str, Any]],
+    policy: str = "prefix_aware",
+    nofile: tuple[int, int] = (NOFILE, NOFILE),
+    **listen: Any,
 ) -> tuple[subprocess.Popen, str]:
+    """``kvroute serve`` started with the soft and hard ``RLIMIT_NOFILE`` of ``nofile``."""
     port = free_port()
     config = {
         "listen": {"host": "127.0.0.1", "port": port, **listen},
@@ -50,7 +55,7 @@ def start_router(
     path.write_text(yaml.safe_dump(config))
 
     def low_limit() -> None:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (NOFILE, NOFILE))
+        resource.setrlimit(resource.RLIMIT_NOFILE, nofile)
 
     log = (tmp_path / "router.log").open("wb")
     process = subprocess.Popen(
@@ -156,3 +161,15 @@ async def test_the_default_cap_sheds_a_flood_before_the_fd_limit(tmp_path, fleet
         process.terminate()
         process.wait(30)
     assert process.returncode == 0, (tmp_path / "router.log").read_text()
+
+
+async def test_the_router_raises_its_soft_fd_limit_to_the_hard_one(tmp_path, fleet):
+    """A runtime's low soft limit (1024 under a far higher hard one is common) is raised at start."""
+    process, url = start_router(tmp_path, backends_of(fleet), nofile=(NOFILE, 4 * NOFILE))
+    try:
+        await wait_for(lambda: ready(url), what="the router to be ready", timeout=30)
+        async with aiohttp.ClientSession() as http:
+            assert total(await scrape(http, url), "process_max_fds") == 4 * NOFILE
+    finally:
+        process.terminate()
+        process.wait(30)

@@ -57,6 +57,22 @@ HEAD, BODY = "head", "body"
 RESERVED_FDS = 64
 
 
+def raise_fd_limit() -> int:
+    """Raise this process's soft ``RLIMIT_NOFILE`` to its hard limit; the soft limit now.
+
+    Container runtimes often start processes at a soft limit of 1024 under a hard one of half a
+    million: a router would run out of descriptors (and its derived connection cap would be 480)
+    for no reason but a default kept for programs that use ``select()``. Go's runtime does the
+    same at start; the hard limit is the operator's bound, and stays."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+        except (ValueError, OSError):  # a platform refusing an unlimited soft limit: keep it
+            return soft
+    return hard
+
+
 def derived_max_connections() -> int:
     """Client connections one process can hold with a descriptor to spare for each one's upstream
     connection: half of the soft ``RLIMIT_NOFILE`` less :data:`RESERVED_FDS` (at least 1)."""

@@ -12,6 +12,7 @@ from aiohttp import web
 
 from router.config import Config, ConfigError
 from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
+from router.http.connections import raise_fd_limit
 from router.http.listeners import Listener
 from router.http.settings import ListenConfig
 from router.http.worker_metrics import WorkerGroup, serve_to_peers
@@ -184,6 +185,7 @@ async def serve_forever(
     ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers, and ``group`` says
     where the others answer for their metrics.
     """
+    raise_fd_limit()  # before the listeners derive their connection caps from it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):

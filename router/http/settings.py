@@ -107,7 +107,8 @@ class ListenConfig:
     idle_timeout_s: PositiveFloat = 75.0
     #: Open client connections per process on this listener; beyond it a new connection is closed
     #: at once. null: derived from the process's file-descriptor limit (half of it, less a reserve,
-    #: leaving a descriptor for each connection's upstream one).
+    #: leaving a descriptor for each connection's upstream one; ``kvroute serve`` raises its soft
+    #: limit to the hard one at start).
     max_connections: PositiveInt | None = None
     #: Open connections per client IP address (null: no cap). Behind a proxy or load balancer every
     #: client shares its address: cap there, or set this above the proxy's own connection count.
