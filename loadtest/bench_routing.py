@@ -42,10 +42,9 @@ from loadtest.contenders import Contender, free_port, sglang, wait_listening
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
-from loadtest.trace import TraceRequest, prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
 
 MODEL = "sim-model"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 #: kvroute contenders: (policy, routing params, closed-loop beliefs).
 KVROUTE = {
     "round_robin": ("round_robin", {}, False),
@@ -333,7 +332,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_routing", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace, JSONL or .gz (default: the shipped conversation trace)")
     parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression (default 10)")
     parser.add_argument("--engines", type=int, default=8)

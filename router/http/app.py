@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import Config
+from router.config import Config, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import start_shared_load
@@ -133,10 +133,11 @@ async def metrics(request: web.Request) -> web.Response:
     return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
 
 
-def build_app(config: Config, config_path: str | None = None) -> web.Application:
+def build_app(config: Config, config_path: str | ConfigSource | None = None) -> web.Application:
     """The router as an aiohttp Application; its background work starts and stops with it.
 
-    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``).
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``), with the
+    command line's settings on top when it is a :class:`ConfigSource`.
     """
     pool = BackendPool(config.backends, config.health)
     router_metrics = RouterMetrics()

@@ -41,7 +41,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from router.config import Config
+from router.config import Config, ConfigSource
 
 log = logging.getLogger("kvroute.workers")
 
@@ -73,7 +73,7 @@ def refusal(config: Config, workers: int) -> str | None:
     return None
 
 
-def _process_main(config: Config, config_path: str | None, supervisor: Connection) -> None:
+def _process_main(config: Config, config_path: str | ConfigSource | None, supervisor: Connection) -> None:
     from router.http.server import serve_forever
     from router.tasks import run_event_loop
 
@@ -90,7 +90,7 @@ def _process_main(config: Config, config_path: str | None, supervisor: Connectio
     run_event_loop(serve_forever(config, config_path, reuse_port=True, reload_peers=reload_peers))
 
 
-def serve_processes(config: Config, workers: int, config_path: str | None = None) -> int:
+def serve_processes(config: Config, workers: int, config_path: str | ConfigSource | None = None) -> int:
     """Run ``workers`` worker processes until a signal (exit 0) or a worker's death (exit 1).
 
     Each worker drains on SIGTERM/SIGINT and reloads ``config_path`` on SIGHUP, as a single

@@ -10,16 +10,22 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from router.config import Config, ConfigError
+from router.config import Config, ConfigError, ConfigSource
 from router.http.app import ADMIN_APP, RUNTIME, build_app
 from router.http.protocol_errors import OpenAIErrorRunner
 from router.http.server_log import HTTP_LOG
 
 
+class ListenError(RuntimeError):
+    """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
+
+
 class RouterServer:
     """The router listening on ``config.listen`` (port 0 picks a free one; see ``url``)."""
 
-    def __init__(self, config: Config, reuse_port: bool = False, config_path: str | None = None) -> None:
+    def __init__(
+        self, config: Config, reuse_port: bool = False, config_path: str | ConfigSource | None = None
+    ) -> None:
         self.config = config
         #: SO_REUSEPORT: several worker processes listen on one port, the kernel spreads connections.
         self.reuse_port = reuse_port
@@ -67,13 +73,22 @@ class RouterServer:
         site = web.TCPSite(
             self._runner, self.config.listen.host, self.config.listen.port, reuse_port=self.reuse_port or None
         )
-        await site.start()
+        await self._bind(site, self.config.listen.host, self.config.listen.port)
         self.port = self._runner.addresses[0][1]
         admin_listen = self.config.admin.listen
         if self._admin_runner is not None and admin_listen is not None:
             await self._admin_runner.setup()
-            await web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port).start()
+            admin_site = web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port)
+            await self._bind(admin_site, admin_listen.host, admin_listen.port)
             self.admin_port = self._admin_runner.addresses[0][1]
+
+    async def _bind(self, site: web.TCPSite, host: str, port: int) -> None:
+        """Start listening; a socket that cannot be bound stops what started and says where."""
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     @property
     def admin_url(self) -> str:
@@ -123,7 +138,7 @@ def tune_gc() -> None:
 
 async def serve_forever(
     config: Config,
-    config_path: str | None = None,
+    config_path: str | ConfigSource | None = None,
     reuse_port: bool = False,
     reload_peers: Callable[[], None] | None = None,
 ) -> None:
