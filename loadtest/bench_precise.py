@@ -450,7 +450,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_precise", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace, JSONL or .gz (default: the shipped conversation trace)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format trace, JSONL or .jsonl.gz (default: the one kvroute ships)",
+    )
     # The defaults are the routing benchmark's (loadtest/bench_routing.py): its trace slice,
     # time compression, fleet and capacity; the stale scenario halves the capacity.
     parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")

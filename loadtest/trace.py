@@ -77,8 +77,7 @@ def read_trace(
 
 def _iter_trace(path: Path, minutes: float | None, limit: int | None) -> Iterator[TraceRequest]:
     horizon = None if minutes is None else minutes * 60.0
-    opened = gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb")
-    with opened as lines:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as lines:
         count = 0
         for number, line in enumerate(lines, start=1):
             if not line.strip():

@@ -6,6 +6,7 @@ import asyncio
 import contextlib
 import gc
 import signal
+import socket
 from collections.abc import Callable
 
 from aiohttp import web
@@ -18,6 +19,25 @@ from router.http.server_log import HTTP_LOG
 
 class ListenError(RuntimeError):
     """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as the server will (``SO_REUSEADDR``), so that a taken port
+    is told at once, before the start's health checks and scrapes, in one line (ListenError).
+    Port 0 always binds. The server's own bind still reports a port taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class RouterServer:
