@@ -110,6 +110,14 @@ def _serve(args: argparse.Namespace) -> int:
 
 def _sim(args: argparse.Namespace) -> int:
     from loadtest.sim.fleet import serve_fleet
+    from loadtest.sim.kv_events import require_zmq
+
+    if args.kv_events is not None:
+        try:
+            require_zmq()
+        except RuntimeError as exc:
+            print(f"kvroute sim: {exc}", file=sys.stderr)
+            return 2
 
     logging.basicConfig(level=logging.INFO)
     timing = EngineTiming(kv_blocks=args.kv_blocks)

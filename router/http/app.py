@@ -27,7 +27,6 @@ from router.http.config_view import config_routes
 from router.http.reload import Runtime, reload_routes
 from router.index import PrefixIndex
 from router.index.build import build_index
-from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.request_path.dispatch import Dispatcher
 from router.request_path.proxy import Proxy
@@ -174,7 +173,12 @@ def build_app(config: Config, config_path: str | ConfigSource | None = None) -> 
             await upkeep.start()
             await index.start()
             shared_load = start_shared_load(index, pool)
-            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            kv_events = None
+            if config.index.mode == "events":
+                # Imported only in precise mode: pyzmq is the `precise` extra's, not a dependency.
+                from router.kv_events.subscriber import start_kv_events
+
+                kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
             try:
                 yield
             finally:
