@@ -8,12 +8,13 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.programs import require
 from tests.helpers import open_index, sample
 from tests.redis_servers import RedisServer, free_port, redis_server
 
 
 def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+    subprocess.run([require("openssl"), *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
