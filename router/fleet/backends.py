@@ -46,6 +46,8 @@ class Backend:
         #: Why the last readable /metrics told nothing (its ``engine:`` adapter found none of its
         #: metrics there), naming the engine it looks like when another adapter's are; else None.
         self.engine_mismatch: str | None = None
+        #: Why its KV events look like another engine's (precise mode, router/kv_events/); else None.
+        self.kv_events_mismatch: str | None = None
 
     def record_failure(self, unhealthy_after: int) -> None:
         """A failed active check: after ``unhealthy_after`` in a row it leaves rotation."""
