@@ -60,6 +60,7 @@ class ConfigFile:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    #: The router's log level: debug | info | warning | error.
     log_level: LogLevel = "info"
 
     def validate(self) -> list[str]:

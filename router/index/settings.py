@@ -25,6 +25,7 @@ from router.request_path.settings import TokenizerConfig
 class IndexConfig:
     """``index``: the prefix index (see README "How a request is routed")."""
 
+    #: Where beliefs live: ``memory`` (this process) or ``redis`` (shared by replicas; ``index.redis``).
     store: Literal["memory", "redis"] = "memory"
     #: Block size of the prefix chain in characters (UTF-8 bytes) of the prompt as the engine sees it.
     block_size: PositiveInt = 256
