@@ -90,8 +90,9 @@ def _serve(args: argparse.Namespace) -> int:
         return 2
     try:
         check_listen(config.listen.host, config.listen.port)
-        if config.admin.listen is not None:
-            check_listen(config.admin.listen.host, config.admin.listen.port)
+        for side in (config.admin.listen, config.metrics.listen):
+            if side is not None:
+                check_listen(side.host, side.port)
     except ListenError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 2

@@ -15,10 +15,11 @@ PACKAGES = {
     "redis-cli": "redis-tools",
     "openssl": "openssl",
     "prometheus": "prometheus",
+    "promtool": "prometheus",
     "nginx": "nginx-light",
 }
 #: The programs the test suite runs (scripts/test installs their packages when missing).
-TEST_PROGRAMS = ("redis-server", "redis-cli", "openssl", "prometheus")
+TEST_PROGRAMS = ("redis-server", "redis-cli", "openssl", "prometheus", "promtool")
 
 
 class MissingProgram(RuntimeError):

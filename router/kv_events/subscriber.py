@@ -27,7 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 import zmq
@@ -236,9 +237,11 @@ class KVEventsManager:
         url: str,
         engine: EngineKind,
         endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None = None,
         on_wrong_engine: Callable[[str], None] | None = None,
     ) -> None:
-        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names.
+        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names
+        (asked with ``options``, the backend's TLS).
 
         A backend whose events are the other engine's (its discovery answers only at the other
         engine's path, or its hashes have the other engine's shape) is reported once: a warning,
@@ -248,7 +251,7 @@ class KVEventsManager:
             return
         report = _WrongEngineReport(name, engine, self.metrics, on_wrong_engine)
         self._tasks[name] = asyncio.create_task(
-            self._follow(name, url, engine, endpoint, report), name=f"kv-events-{name}"
+            self._follow(name, url, engine, endpoint, options, report), name=f"kv-events-{name}"
         )
 
     def follow(self, pool: BackendPool) -> None:
@@ -263,7 +266,8 @@ class KVEventsManager:
         def wrong_engine(why: str) -> None:
             backend.kv_events_mismatch = why
 
-        self.add_backend(backend.name, backend.url, config.engine, config.kv_events, wrong_engine)
+        options = backend.client_options()
+        self.add_backend(backend.name, backend.url, config.engine, config.kv_events, options, wrong_engine)
 
     def _removed(self, backend: Backend) -> None:
         task = asyncio.create_task(self.remove_backend(backend.name))
@@ -289,12 +293,13 @@ class KVEventsManager:
         url: str,
         engine: EngineKind,
         endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None,
         report: _WrongEngineReport,
     ) -> None:
         if endpoint is not None:
             sources = configured_sources(name, endpoint)
         else:
-            sources = await self._discover(name, url, engine, report)
+            sources = await self._discover(name, url, engine, options, report)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
         subscribers = [
             StreamSubscriber(
@@ -312,29 +317,40 @@ class KVEventsManager:
         await asyncio.gather(*(s.run() for s in subscribers))
 
     async def _discover(
-        self, name: str, url: str, engine: EngineKind, report: _WrongEngineReport
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        options: Mapping[str, Any] | None,
+        report: _WrongEngineReport,
     ) -> list[EventSource]:
         interval = self.settings.discovery_interval_s
         while True:
             try:
-                return await discover_sources(self._session, name, url, engine, timeout_s=interval)
+                return await discover_sources(self._session, name, url, engine, interval, options)
             except DiscoveryError as exc:
                 self.metrics.errors.labels(name, "discovery").inc()
                 log.warning("KV events of %s not found (%s); retrying in %.0f s", name, exc, interval)
                 if not report.said:
-                    await self._ask_the_other_engines(name, url, engine, report, interval)
+                    await self._ask_the_other_engines(name, url, engine, options, report)
             await asyncio.sleep(interval)
 
     async def _ask_the_other_engines(
-        self, name: str, url: str, engine: EngineKind, report: _WrongEngineReport, timeout_s: float
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        options: Mapping[str, Any] | None,
+        report: _WrongEngineReport,
     ) -> None:
         """Whether an engine of another kind answers where it says it publishes: then the
         backend's ``engine:`` is wrong, and saying so beats retrying in silence."""
+        interval = self.settings.discovery_interval_s
         for other in ENGINE_KINDS:
             if other == engine:
                 continue
             try:
-                await discover_sources(self._session, name, url, other, timeout_s=timeout_s)
+                await discover_sources(self._session, name, url, other, interval, options)
             except DiscoveryError:
                 continue
             report.discovery(other)
