@@ -19,6 +19,11 @@ from router.http.settings import LimitsConfig, ListenConfig
 from router.http.tls import CertificateStore
 from router.metrics import RouterMetrics
 
+
+class ListenError(RuntimeError):
+    """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
+
+
 #: Pending connections the kernel queues for a listener (nginx's default; aiohttp's is 128).
 BACKLOG = 511
 
@@ -72,9 +77,14 @@ class Listener:
         return f"{scheme}://{self.settings.host}:{self.port}"
 
     async def start(self) -> None:
+        """Start the app and listen; ListenError (the app stopped again) when the socket cannot be bound."""
         await self._runner.setup()
-        site = _Site(self)
-        await site.start()
+        try:
+            await _Site(self).start()
+        except OSError as exc:
+            await self._runner.cleanup()
+            where = f"{self.settings.host}:{self.settings.port}"
+            raise ListenError(f"cannot listen on {where}: {exc.strerror or exc}") from None
         self.port = self._runner.addresses[0][1]
 
     async def stop(self) -> None:

@@ -6,16 +6,36 @@ import asyncio
 import contextlib
 import gc
 import signal
+import socket
 from collections.abc import Callable
 
 from aiohttp import web
 
-from router.config import Config, ConfigError
+from router.config import Config, ConfigError, ConfigSource
 from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
 from router.http.connections import raise_fd_limit
-from router.http.listeners import Listener
+from router.http.listeners import Listener, ListenError
 from router.http.settings import ListenConfig
 from router.http.worker_metrics import WorkerGroup, serve_to_peers
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as the server will (``SO_REUSEADDR``), so that a taken port
+    is told at once, before the start's health checks and scrapes, in one line (ListenError).
+    Port 0 always binds. The server's own bind still reports a port taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class RouterServer:
@@ -27,7 +47,7 @@ class RouterServer:
         self,
         config: Config,
         reuse_port: bool = False,
-        config_path: str | None = None,
+        config_path: str | ConfigSource | None = None,
         group: WorkerGroup | None = None,
     ) -> None:
         self.config = config
@@ -170,7 +190,7 @@ def tune_gc() -> None:
 
 async def serve_forever(
     config: Config,
-    config_path: str | None = None,
+    config_path: str | ConfigSource | None = None,
     reuse_port: bool = False,
     reload_peers: Callable[[], None] | None = None,
     group: WorkerGroup | None = None,

@@ -90,7 +90,9 @@ class ListenConfig:
     ``limit_conn``, at the connection level.
     """
 
+    #: Address to listen on (0.0.0.0: every interface).
     host: str = "127.0.0.1"
+    #: Port to listen on; 0 picks a free one (printed at start).
     port: ListenPort = 8080
     #: On SIGTERM: stop accepting, then give in-flight responses this long before exiting anyway.
     drain_timeout_s: NonNegativeFloat = 60.0
@@ -198,8 +200,11 @@ class AuthConfig:
     the config is validated (at start and on each reload) and again when the keys are applied.
     """
 
+    #: Tenant name -> its key, or a list of its keys.
     keys: dict[str, TenantKeys] = field(default_factory=dict, repr=False)
+    #: A YAML file of the same mapping.
     keys_file: str | None = None
+    #: A directory of one file per tenant (a mounted Secret), holding its keys one per line.
     keys_dir: str | None = None
     #: With keys configured, still take the tenant from ``tenancy.header`` when present: only
     #: for a trusted gateway in front that sets it (clients could otherwise pick any tenant).
@@ -278,7 +283,9 @@ class AdminConfig:
 
     #: The admin key, inline, from an environment variable, or from a file (at most one).
     key: NonEmptyStr | None = field(default=None, repr=False)
+    #: ... or the name of an environment variable holding it.
     key_env: str | None = None
+    #: ... or a file holding it (at most one of ``key``, ``key_env``, ``key_file``).
     key_file: str | None = None
     #: The admin API's own listener; null serves it on the main listener (needs a key).
     listen: ListenConfig | None = DEFAULT_ADMIN_LISTEN
