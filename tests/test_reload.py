@@ -15,7 +15,7 @@ from router.config import ConfigSource
 from router.http.app import RUNTIME
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
-from tests.helpers import scrape, total, wait_for, wait_released
+from tests.helpers import admin_on_free_port, scrape, total, wait_for, wait_released
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 
@@ -220,14 +220,16 @@ async def test_a_reload_applies_the_command_lines_flags_over_the_file_again(engi
     """``kvroute serve --config FILE --policy least_load``: the reloaded file's other changes apply,
     and the flag still wins over the file's policy."""
     path = tmp_path / "kvroute.yaml"
-    path.write_text(yaml.safe_dump(base_config(engines)))
+    path.write_text(yaml.safe_dump(admin_on_free_port(base_config(engines))))
     source = ConfigSource(str(path), {"routing": {"policy": "least_load"}})
     server = RouterServer(source.load(), config_path=source)
     await server.start()
     try:
         assert (await complete(http, server.url))[1] == "least_load"
-        path.write_text(yaml.safe_dump(base_config(engines, upstream={"max_attempts": 1})))
-        async with http.post(f"{server.url}/admin/reload", headers=ADMIN) as resp:
+        path.write_text(
+            yaml.safe_dump(admin_on_free_port(base_config(engines, upstream={"max_attempts": 1})))
+        )
+        async with http.post(f"{server.admin_url}/admin/reload", headers=ADMIN) as resp:
             assert resp.status == 200, await resp.text()
         runtime = server.app[RUNTIME]
         assert runtime.config.upstream.max_attempts == 1
