@@ -37,11 +37,11 @@ from pathlib import Path
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 
-from loadtest.bench_routing import TRACE, wait_serving
+from loadtest.bench_routing import wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
 from loadtest.report import format_table, percentile, ratio
-from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest, read_trace
+from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (
     BLOCK_SIZE,
     SERVED_MODEL,
@@ -311,7 +311,7 @@ def print_report(rows: Sequence[Row]) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kvroute bench real-engines", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
     parser.add_argument("--minutes", type=float, default=0.5, help="trace minutes to replay (default 0.5)")
     parser.add_argument("--speedup", type=float, default=0.5, help="time compression (default 0.5)")
     parser.add_argument("--scale", type=int, default=16, help="trace tokens per benchmark token (default 16)")

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from loadtest.bench_real_engines import TRACE, Bench, conversation, messages, scaled
+from loadtest.bench_real_engines import Bench, conversation, messages, scaled
+from loadtest.trace import DEFAULT_TRACE
 from loadtest.trace import TraceRequest
 
 
@@ -10,7 +11,7 @@ def bench(**overrides: int) -> Bench:
     fields = dict(
         minutes=1, speedup=1, scale=16, max_prompt_tokens=1024, max_output_tokens=16, kv_cache_mib=8
     )
-    return Bench(trace=TRACE, **{**fields, **overrides})
+    return Bench(trace=DEFAULT_TRACE, **{**fields, **overrides})
 
 
 def test_turns_of_a_conversation_share_their_prefix_as_whole_messages() -> None:

@@ -16,7 +16,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import Config
+from router.config import Config, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import Backend, BackendPool
 from router.fleet.shared_load import start_shared_load
@@ -28,7 +28,6 @@ from router.http.reload import Runtime, reload_routes
 from router.http.worker_metrics import MetricsUnavailable, WorkerGroup, group_exposition
 from router.index import PrefixIndex
 from router.index.build import build_index
-from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.request_path.dispatch import Dispatcher
 from router.request_path.proxy import Proxy
@@ -46,7 +45,8 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 INDEX = web.AppKey("index", PrefixIndex)
 #: What a config reload may change (router/http/reload.py); the request path reads it per request.
 RUNTIME = web.AppKey("runtime", Runtime)
-#: The admin API's own app when ``admin.listen`` puts it on a separate port (router/http/server.py).
+#: The admin API's own app, served on ``admin.listen`` (router/http/server.py); absent when the
+#: admin API shares the main listener (``admin.listen: null``, allowed only with an admin key).
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 #: ``/metrics``' own app when ``metrics.listen`` puts it on a separate port (router/http/server.py).
 METRICS_APP = web.AppKey("metrics_app", web.Application)
@@ -164,12 +164,13 @@ def _metrics_handler(
 
 
 def build_app(
-    config: Config, config_path: str | None = None, group: WorkerGroup | None = None
+    config: Config, config_path: str | ConfigSource | None = None, group: WorkerGroup | None = None
 ) -> web.Application:
     """The router as an aiohttp Application; its background work starts and stops with it.
 
-    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``); ``group``:
-    this process is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``), with the
+    command line's settings on top when it is a :class:`ConfigSource`; ``group``: this process
+    is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
     """
     pool = BackendPool(config.backends, config.health, config.upstream.tls)
     router_metrics = RouterMetrics()
@@ -207,7 +208,12 @@ def build_app(
             await upkeep.start()
             await index.start()
             shared_load = start_shared_load(index, pool)
-            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            kv_events = None
+            if config.index.mode == "events":
+                # Imported only in precise mode: pyzmq is the `precise` extra's, not a dependency.
+                from router.kv_events.subscriber import start_kv_events
+
+                kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
             try:
                 yield
             finally:
