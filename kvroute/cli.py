@@ -294,7 +294,10 @@ def build_parser() -> argparse.ArgumentParser:
     )
     schema.set_defaults(func=_config_schema)
 
-    bench = command("bench", "benchmarks: bench overhead | bench report | bench routing | bench real-engines (each has --help)")
+    bench = command(
+        "bench",
+        "benchmarks: bench overhead | bench report | bench routing | bench real-engines (each has --help)",
+    )
     bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="the benchmark to run")
     bench.add_argument(
         "options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)"

@@ -3,8 +3,7 @@
 from __future__ import annotations
 
 from loadtest.bench_real_engines import Bench, conversation, messages, scaled
-from loadtest.trace import DEFAULT_TRACE
-from loadtest.trace import TraceRequest
+from loadtest.trace import DEFAULT_TRACE, TraceRequest
 
 
 def bench(**overrides: int) -> Bench:
