@@ -50,9 +50,9 @@ class EventsConfig:
     #: (vLLM ``GET /kv_event_sources``, SGLang ``GET /server_info``), retrying at this interval.
     discovery_interval_s: PositiveFloat = 5.0
     #: A stream not connected this long after the router started following it (or since it lost
-    #: its connection) is reported: a warning, ``kvroute_kv_events_errors_total{kind=
-    #: "not_connected"}`` and ``kv_events: not_connected`` in ``/admin/backends``. Routing falls
-    #: back to provisional beliefs meanwhile. The usual cause is an engine whose PUB socket
+    #: its connection) is reported: a warning, the ``not_connected`` kind of
+    #: ``kvroute_kv_events_errors_total`` and ``kv_events: not_connected`` in ``/admin/backends``.
+    #: Routing falls back to provisional beliefs meanwhile. The usual cause is an engine whose PUB socket
     #: connects instead of binding (vLLM binds only ``tcp://*:port``, ``ipc://`` and ``inproc://``).
     connect_grace_s: PositiveFloat = 10.0
 
