@@ -41,7 +41,10 @@ async def test_a_subscription_without_a_connection_is_reported_after_the_grace(
         return total(samples, "kvroute_kv_events_errors_total", backend="e0", kind="not_connected") == 1
 
     await wait_for(reported, what="the unconnected stream counted")
-    assert await kv_events_state(http, router.url) == {"state": "not_connected", "endpoints": [endpoint]}
+    assert await kv_events_state(http, router.admin_url) == {
+        "state": "not_connected",
+        "endpoints": [endpoint],
+    }
     assert any("no connection to " + endpoint in r.getMessage() for r in caplog.records)
 
     # The publisher binds (the engine fixed): the subscription connects and says so.
@@ -51,7 +54,7 @@ async def test_a_subscription_without_a_connection_is_reported_after_the_grace(
     try:
 
         async def connected() -> bool:
-            return (await kv_events_state(http, router.url))["state"] == "connected"
+            return (await kv_events_state(http, router.admin_url))["state"] == "connected"
 
         await wait_for(connected, timeout=5, what="the subscription connected")
         samples = await scrape(http, router.url)

@@ -36,7 +36,7 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     router = await make_router(
         backends(vllm_pair), engine_metrics={"interval_s": 0.2}, routing={"policy": "least_load"}
     )
-    before = await backend_view(http, router.url, "e0")
+    before = await backend_view(http, router.admin_url, "e0")
     assert before["engine_capacity_tokens"] == engine_capacity_tokens(e0) == 1024 * BLOCK_SIZE
     # A long generation straight to e0 keeps it running a request with blocks in use.
     direct = openai_client.with_options(base_url=f"{e0.url}/v1")
@@ -51,7 +51,7 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     try:
 
         async def busy() -> bool:
-            view = await backend_view(http, router.url, "e0")
+            view = await backend_view(http, router.admin_url, "e0")
             return view["engine_running"] == 1 and (view["kv_usage"] or 0) > 0
 
         await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
@@ -60,10 +60,10 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         before = engine_metrics(e0)["vllm:kv_cache_usage_perc"]
 
         async def scraped_since() -> bool:
-            return (await backend_view(http, router.url, "e0"))["kv_usage"] >= before
+            return (await backend_view(http, router.admin_url, "e0"))["kv_usage"] >= before
 
         await wait_for(scraped_since, timeout=10, what="a scrape newer than the engine's first read")
-        view = await backend_view(http, router.url, "e0")
+        view = await backend_view(http, router.admin_url, "e0")
         after = engine_metrics(e0)
         assert view["engine_running"] == after["vllm:num_requests_running"] == 1
         assert view["engine_waiting"] == after["vllm:num_requests_waiting"] == 0
@@ -77,6 +77,6 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         await stream.close()
 
     async def idle() -> bool:
-        return (await backend_view(http, router.url, "e0"))["engine_running"] == 0
+        return (await backend_view(http, router.admin_url, "e0"))["engine_running"] == 0
 
     await wait_for(idle, timeout=20, what="the aborted stream gone from e0")

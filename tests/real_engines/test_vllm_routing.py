@@ -96,7 +96,7 @@ async def test_precise_mode_finds_the_engines_event_sources_itself(
 ) -> None:
     router = await make_router(backends(vllm_pair), index=precise_index())
     await subscribed(http, router.url)
-    async with http.get(f"{router.url}/admin/backends") as resp:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
         shown = {b["name"]: b["kv_events"] for b in (await resp.json())["backends"]}
     for replica in vllm_pair:
         with urllib.request.urlopen(f"{replica.url}/kv_event_sources", timeout=5) as resp:

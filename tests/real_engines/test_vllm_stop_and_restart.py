@@ -69,7 +69,7 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     victim.process.wait(30)
 
     async def ejected() -> bool:
-        return (await backend_view(http, router.url, victim_name))["state"] == "unhealthy"
+        return (await backend_view(http, router.admin_url, victim_name))["state"] == "unhealthy"
 
     await wait_for(ejected, timeout=10, what=f"{victim_name} out of rotation")
     served = await client.completions.with_raw_response.create(
@@ -85,7 +85,7 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     await asyncio.to_thread(victim.wait_ready)
 
     async def readmitted() -> bool:
-        view = await backend_view(http, router.url, victim_name)
+        view = await backend_view(http, router.admin_url, victim_name)
         resyncs = total(
             await scrape(http, router.url), "kvroute_kv_events_resyncs_total", backend=victim_name
         )

@@ -49,9 +49,9 @@ async def subscribed(http: aiohttp.ClientSession, router_url: str, count: int = 
     await wait_for(connected, timeout=30, what="subscribed to every engine's KV events")
 
 
-async def backend_view(http: aiohttp.ClientSession, router_url: str, name: str) -> dict[str, Any]:
-    """Backend ``name`` as ``GET /admin/backends`` shows it."""
-    async with http.get(f"{router_url}/admin/backends") as resp:
+async def backend_view(http: aiohttp.ClientSession, admin_url: str, name: str) -> dict[str, Any]:
+    """Backend ``name`` as ``GET /admin/backends`` shows it (at the router's ``admin_url``)."""
+    async with http.get(f"{admin_url}/admin/backends") as resp:
         return next(b for b in (await resp.json())["backends"] if b["name"] == name)
 
 
