@@ -370,6 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             for replica in replicas:
                 replica.stop()
+                replica.remove_files()
     print()
     print_report(rows)
     return 0 if all(not r.missing and figures(r).failed == 0 for r in rows) else 1

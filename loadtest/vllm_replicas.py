@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -183,6 +184,10 @@ class VllmReplica:
         with contextlib.suppress(subprocess.TimeoutExpired):
             process.wait(grace_s)
         self.kill()
+
+    def remove_files(self) -> None:
+        """Remove the replica's folder (its log and event socket), once it is stopped for good."""
+        shutil.rmtree(self.workdir, ignore_errors=True)
 
     def kill(self) -> None:
         """SIGKILL the group at once (a crash), and reap the leader."""

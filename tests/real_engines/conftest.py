@@ -46,6 +46,7 @@ def vllm_pair() -> Iterator[list[VllmReplica]]:
     finally:
         for replica in replicas:
             replica.stop()
+            replica.remove_files()
 
 
 @pytest.fixture
