@@ -26,9 +26,9 @@ from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from router.fleet.settings import BackendConfig, DiscoveryConfig, EngineMetricsConfig, HealthConfig
-from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig
+from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig, LoggingConfig
 from router.index.settings import IndexConfig
-from router.request_path.settings import RoutingConfig, TenancyConfig, UpstreamConfig
+from router.request_path.settings import RoutingConfig, TenancyConfig, TracingConfig, UpstreamConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -61,6 +61,8 @@ class ConfigFile:
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     log_level: LogLevel = "info"
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def validate(self) -> list[str]:
         if not self.backends and self.discovery.kind == "static":

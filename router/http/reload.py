@@ -42,7 +42,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.reload")
 
 #: Sections a running router cannot change (see the module docstring).
-RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics")
+RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "tracing")
 #: ``limits`` keys fixed in the HTTP server at start.
 RESTART_LIMITS = ("max_body_bytes", "max_line_size", "max_field_size", "max_headers")
 
@@ -116,6 +116,8 @@ class Runtime:
         restart += [f"limits.{k}" for k in RESTART_LIMITS if getattr(old.limits, k) != getattr(new.limits, k)]
         if old.admin.listen != new.admin.listen:
             restart.append("admin.listen")
+        if old.logging.format != new.logging.format:
+            restart.append("logging.format")
         backends_live = old.discovery.kind == "static"
         if not backends_live and old.backends != new.backends:
             restart.append("backends")
@@ -147,10 +149,11 @@ class Runtime:
     def _keep_restart_only(old: Config, new: Config) -> Config:
         limits = dataclasses.replace(new.limits, **{k: getattr(old.limits, k) for k in RESTART_LIMITS})
         admin = dataclasses.replace(new.admin, listen=old.admin.listen)
+        logs = dataclasses.replace(new.logging, format=old.logging.format)
         kept = {s: getattr(old, s) for s in RESTART_SECTIONS}
         if old.discovery.kind != "static":
             kept["backends"] = old.backends
-        return dataclasses.replace(new, limits=limits, admin=admin, **kept)
+        return dataclasses.replace(new, limits=limits, admin=admin, logging=logs, **kept)
 
     def _sync_backends(self, config: Config) -> None:
         """Make the pool match ``backends``; a replaced backend keeps its health if its URL stayed."""
@@ -167,6 +170,7 @@ class Runtime:
                 backend.healthy = previous.healthy
                 if backend.discovers_models:
                     backend.models = previous.models
+                    backend.model_cards = previous.model_cards
 
 
 def reload_routes(runtime: Runtime) -> list[web.RouteDef]:

@@ -18,10 +18,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from policies.routing.base import RoutingPolicy
+from policies.routing.least_load import LeastLoad
 from policies.types import Decision, RequestView
 from router.config import Config
 from router.errors import OpenAIError
@@ -30,11 +32,26 @@ from router.index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks
 from router.request_path.beliefs import BeliefMetrics, ClosedLoop
+from router.request_path.context import RequestContext
+from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 
 log = logging.getLogger("kvroute.dispatch")
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What one request is routed with: the policy, the candidates and their matches."""
+
+    policy: RoutingPolicy
+    candidates: list[Backend]
+    matches: dict[str, int]
+    #: The endpoint's prompt is prefix-routed by the configured policy (else load-balanced).
+    prefix_routed: bool
+    #: When routing began (``RequestTrace.now()``), for the routing span; 0 without tracing.
+    started: int
 
 
 class Dispatcher:
@@ -63,6 +80,8 @@ class Dispatcher:
             closed_loop = ClosedLoop(index, self.keyer.block_tokens, tolerance, beliefs)
         self.books = AttemptBooks(metrics, index, self.keyer.block_tokens, closed_loop)
         self.policy = policy
+        #: The policy of endpoints balanced by load (router/request_path/endpoints.py).
+        self._balancer = LeastLoad(seed=config.routing.seed)
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -75,14 +94,23 @@ class Dispatcher:
         self._policy_label = policy.name or type(policy).__name__
         self.books.follow(policy)
 
-    async def dispatch(self, request: web.Request, routable: RoutableRequest) -> web.StreamResponse:
-        started = time.perf_counter()
+    async def dispatch(
+        self, request: web.Request, routable: RoutableRequest, context: RequestContext
+    ) -> web.StreamResponse:
+        context.endpoint, context.model, context.tenant = routable.endpoint, routable.model, routable.tenant
+        trace = context.trace
+        route_started = trace.now() if trace is not None else 0
         candidates = self._candidates(routable.model)
-        keyed = self._policy.uses_prefix_match
+        # Endpoints without a cacheable prompt are balanced by load, whatever the policy.
+        prefix_routed = routable.endpoint in PREFIX_ROUTED
+        policy = self._policy if prefix_routed else self._balancer
+        keyed = policy.uses_prefix_match
         view = self.keyer.view(routable, keyed)
+        context.prompt_tokens = view.prompt_tokens
         matches = await self._match(view.chain, candidates) if keyed else {}
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
-        return await self._forward(request, routable, view, candidates, matches, started)
+        route = _Route(policy, candidates, matches, prefix_routed, route_started)
+        return await self._forward(request, routable, view, route, context)
 
     def _candidates(self, model: str) -> list[Backend]:
         """The backends serving ``model`` that are in rotation (the filter)."""
@@ -115,14 +143,15 @@ class Dispatcher:
         request: web.Request,
         routable: RoutableRequest,
         view: RequestView,
-        candidates: list[Backend],
-        matches: dict[str, int],
-        started: float,
+        route: _Route,
+        context: RequestContext,
     ) -> web.StreamResponse:
         """Choose and try backends until one answers, within the attempts and the deadline."""
         upstream = self.config.upstream
+        started = context.started
         deadline = started + upstream.retry_deadline_s
         failures: list[str] = []
+        candidates = route.candidates
         for number in range(upstream.max_attempts):
             remaining = deadline - time.perf_counter()
             if number:
@@ -130,14 +159,20 @@ class Dispatcher:
                 candidates = [b for b in candidates if b.routable]
             if not candidates or remaining <= 0:
                 break
-            backend, decision = self._choose(view, candidates, matches)
+            backend, decision = self._choose(route.policy, view, candidates, route.matches)
             if number:
                 self.metrics.retries.inc()
             else:
                 self.metrics.decision_time.observe(time.perf_counter() - started)
+                if context.trace is not None:
+                    context.trace.routed(
+                        route.started, self._label_of(route.policy), decision, view, candidates
+                    )
             timeout = min(upstream.first_byte_timeout_s, remaining)
             try:
-                with Attempt(self.books, routable, view, backend, decision, started, timeout) as attempt:
+                with Attempt(
+                    self.books, routable, view, backend, decision, context, timeout, route.prefix_routed
+                ) as attempt:
                     return await self.proxy.forward(request, attempt)
             except UpstreamFailed as exc:
                 log.warning(
@@ -150,14 +185,17 @@ class Dispatcher:
                 candidates = [b for b in candidates if b is not backend]
         raise self._exhausted(failures, deadline)
 
+    def _label_of(self, policy: RoutingPolicy) -> str:
+        return self._policy_label if policy is self._policy else self._balancer.name
+
     def _choose(
-        self, view: RequestView, candidates: list[Backend], matches: dict[str, int]
+        self, policy: RoutingPolicy, view: RequestView, candidates: list[Backend], matches: dict[str, int]
     ) -> tuple[Backend, Decision]:
         """The policy's pick among the candidates' views (the scorers and the picker)."""
         blocks_of = self.index.blocks_of
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
-        decision = self._policy.choose(view, views)
-        self.metrics.decisions_by(self._policy_label, decision.reason).inc()
+        decision = policy.choose(view, views)
+        self.metrics.decisions_by(self._label_of(policy), decision.reason).inc()
         self.metrics.matched_tokens_by(view.model).inc(decision.matched_blocks * view.block_tokens)
         log.debug(
             "route model=%s backend=%s reason=%s matched_blocks=%d of %d",
@@ -170,7 +208,7 @@ class Dispatcher:
         for backend in candidates:
             if backend.name == decision.backend:
                 return backend, decision
-        raise RuntimeError(f"policy {self._policy_label} chose {decision.backend!r}, not a candidate")
+        raise RuntimeError(f"policy {self._label_of(policy)} chose {decision.backend!r}, not a candidate")
 
     def _exhausted(self, failures: list[str], deadline: float) -> OpenAIError:
         """The error when no attempt is left: the deadline passed (504), or no backend could (502)."""

@@ -1,0 +1,119 @@
+"""The router's log lines: text or JSON, each carrying the id of the request it is about.
+
+``configure_logging`` installs one handler on the root logger (stderr), replacing
+``logging.basicConfig``: its filter stamps every record with the id of the request being
+handled (router/request_path/context.py's :data:`REQUEST_ID`, None outside requests), and
+its formatter writes
+
+* ``text``: ``2026-12-05 08:00:00,123 INFO kvroute.dispatch [3f2a…]: message``;
+* ``json``: one object per line, ``{"ts", "level", "logger", "msg", "request_id", ...}``,
+  with the access log's fields as keys of their own (orjson; no other dependency).
+
+The access log (``logging.access_log``) is logger ``kvroute.access``: one line per request
+when its response has ended, written by :func:`log_access`.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from datetime import datetime, timezone
+from typing import Any
+
+import orjson
+
+from router.http.settings import LoggingConfig
+from router.request_path.context import REQUEST_ID, RequestContext
+
+ACCESS_LOG = logging.getLogger("kvroute.access")
+#: The record attribute holding the access log's fields (JSON keys of their own).
+FIELDS = "kvroute_fields"
+
+
+class RequestIdFilter(logging.Filter):
+    """Stamps each record with the id of the request whose task wrote it."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        record.request_id = REQUEST_ID.get()
+        return True
+
+
+class TextFormatter(logging.Formatter):
+    def __init__(self, process: bool = False) -> None:
+        name = "%(name)s[%(process)d]" if process else "%(name)s"
+        super().__init__(f"%(asctime)s %(levelname)s {name}%(request_tag)s: %(message)s")
+
+    def format(self, record: logging.LogRecord) -> str:
+        request_id = getattr(record, "request_id", None)
+        record.request_tag = f" [{request_id}]" if request_id else ""
+        return super().format(record)
+
+
+class JsonFormatter(logging.Formatter):
+    """One JSON object per line; the message formatted with its arguments, as text would be."""
+
+    def __init__(self, process: bool = False) -> None:
+        super().__init__()
+        self._process = process
+
+    def format(self, record: logging.LogRecord) -> str:
+        line: dict[str, Any] = {
+            "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
+            "level": record.levelname,
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        request_id = getattr(record, "request_id", None)
+        if request_id:
+            line["request_id"] = request_id
+        if self._process:
+            line["pid"] = record.process
+        fields = getattr(record, FIELDS, None)
+        if fields:
+            line.update(fields)
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return orjson.dumps(line, default=str).decode()
+
+
+def configure_logging(config: LoggingConfig, level: str, process: bool = False) -> None:
+    """Log to stderr in ``config.format`` at ``level``; ``process`` adds the pid (``--workers``)."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.addFilter(RequestIdFilter())
+    handler.setFormatter(JsonFormatter(process) if config.format == "json" else TextFormatter(process))
+    root = logging.getLogger()
+    for old in root.handlers[:]:
+        root.removeHandler(old)
+    root.addHandler(handler)
+    root.setLevel(level.upper())
+
+
+def log_access(context: RequestContext, status: int, duration_s: float) -> None:
+    """The access log line of one request (its id is stamped by the filter, as for every line)."""
+    ttft_ms = None if context.ttft is None else round(context.ttft * 1000, 2)
+    fields = {
+        "tenant": context.tenant,
+        "endpoint": context.endpoint,
+        "model": context.model,
+        "backend": context.backend,
+        "reason": context.reason,
+        "status": status,
+        "attempts": context.attempts,
+        "prompt_tokens": context.prompt_tokens,
+        "matched_tokens": context.matched_tokens,
+        "cached_tokens": context.cached_tokens,
+        "ttft_ms": ttft_ms,
+        "duration_ms": round(duration_s * 1000, 2),
+    }
+    text = " ".join(f"{key}={_logfmt(value)}" for key, value in fields.items())
+    ACCESS_LOG.info(text, extra={FIELDS: fields})
+
+
+def _logfmt(value: object) -> str:
+    """A logfmt value: ``-`` for none, quoted (JSON) when it holds a space, a quote or ``=``."""
+    if value is None:
+        return "-"
+    text = str(value)
+    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
+        return orjson.dumps(text).decode()
+    return text
