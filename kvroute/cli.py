@@ -30,9 +30,9 @@ def _serve(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"kvroute: {reason}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from router.http.logs import configure_logging
+
+    configure_logging(config.logging, config.log_level)
     if args.workers > 1:
         return serve_processes(config, args.workers, args.config)
     run_event_loop(serve_forever(config, args.config))

@@ -181,10 +181,13 @@ class BackendPool:
                 card = cards.get(model)
                 if card is None:
                     own = backend.model_cards.get(model)
-                    card = cards[model] = (
-                        dict(own) if own is not None else {"id": model, "object": "model", "owned_by": "kvroute"}
+                    card = (
+                        dict(own)
+                        if own is not None
+                        else {"id": model, "object": "model", "owned_by": "kvroute"}
                     )
                     card["kvroute_backends"] = []
+                    cards[model] = card
                 card["kvroute_backends"].append(backend.name)
         return [cards[model] for model in sorted(cards)]
 
