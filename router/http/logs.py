@@ -90,6 +90,8 @@ def configure_logging(config: LoggingConfig, level: str, process: bool = False) 
 
 def log_access(context: RequestContext, status: int, duration_s: float) -> None:
     """The access log line of one request (its id is stamped by the filter, as for every line)."""
+    if not ACCESS_LOG.isEnabledFor(logging.INFO):
+        return
     ttft_ms = None if context.ttft is None else round(context.ttft * 1000, 2)
     fields = {
         "tenant": context.tenant,
