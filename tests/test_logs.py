@@ -143,15 +143,34 @@ async def test_json_logs_carry_the_request_id_and_one_access_line_per_request(se
 async def test_text_logs_tag_lines_with_the_id_and_write_logfmt_access_lines(serve):
     url, stop = await serve(logging={"format": "text", "access_log": True})
     async with aiohttp.ClientSession() as http:
-        body = {"model": MODEL, "input": "hello", "stream": False}
+        body = {"model": MODEL, "input": "hello"}
         async with http.post(f"{url}/v1/embeddings", json=body, headers={"X-Request-Id": "emb-7"}) as resp:
             assert resp.status == 200
-    lines = [line for line in stop() if "kvroute.access" in line]
-    assert len(lines) == 1
-    line = lines[0]
-    assert "kvroute.access [emb-7]: " in line
-    assert " endpoint=embeddings model=sim-model backend=e0 reason=no_match_least_load status=200 " in line
-    assert " ttft_ms=- " in line and "cached_tokens=0" in line
+        chat = {
+            "model": MODEL,
+            "messages": [{"role": "user", "content": "stream"}],
+            "max_tokens": 3,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+        async with http.post(
+            f"{url}/v1/chat/completions", json=chat, headers={"X-Request-Id": "str-8"}
+        ) as resp:
+            assert resp.status == 200
+            await resp.read()
+    lines = {line.split("[", 1)[1].split("]", 1)[0]: line for line in stop() if "kvroute.access" in line}
+    assert set(lines) == {"emb-7", "str-8"}
+    embedded = lines["emb-7"]
+    assert (
+        "kvroute.access [emb-7]: tenant=default endpoint=embeddings model=sim-model backend=e0 " in embedded
+    )
+    assert " reason=no_match_least_load status=200 attempts=1 " in embedded
+    assert " ttft_ms=- " in embedded and " cached_tokens=0 " in embedded
+    streamed = lines["str-8"]
+    assert " endpoint=chat " in streamed and " cached_tokens=0 " in streamed
+    ttft = float(streamed.split(" ttft_ms=", 1)[1].split()[0])
+    duration = float(streamed.split(" duration_ms=", 1)[1].split()[0])
+    assert 0 < ttft <= duration
 
 
 async def test_the_access_log_is_off_by_default(serve):

@@ -245,3 +245,11 @@ async def test_a_single_engine_sees_a_new_trace_when_the_client_sends_none(make_
         assert seen["traceparent"].split("-")[1] == format(request.context.trace_id, "032x")
     finally:
         await engine.stop()
+
+
+async def test_the_collectors_headers_are_redacted_in_the_config_view(fleet, make_router, http):
+    tracing = {"enabled": True, "exporter": "none", "headers": {"Authorization": "Bearer collector-secret"}}
+    router = await make_router(backends_of(fleet), tracing=tracing)
+    async with http.get(f"{router.url}/admin/config") as resp:
+        shown = (await resp.json())["config"]["tracing"]
+    assert shown["headers"] == {"Authorization": "<redacted>"}

@@ -19,7 +19,10 @@ gone, task cancelled, an unexpected exception), because its ``with`` block ends 
 * with ``index.closed_loop``, the **belief check**: the prediction, and the engine's cached
   tokens read from the response (router/request_path/beliefs.py);
 * its **metrics**: requests by status, latency, time to first token, upstream errors;
-* the **outcome** told to a policy that learns (``RoutingPolicy.on_outcome``).
+* the **outcome** told to a policy that learns (``RoutingPolicy.on_outcome``);
+* the request's **context** (router/request_path/context.py): backend, reason, time to first
+  token and the engine's cached tokens, for the access log; with tracing, its ``upstream``
+  span, whose context the engine receives as ``traceparent``.
 
 The proxy (router/request_path/proxy.py) reports what happens: ``answered``, ``first_byte``,
 then one of ``finished``, ``interrupted`` or ``client_gone``. A failure before the client got

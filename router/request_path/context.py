@@ -3,8 +3,8 @@
 Every request gets an id: the client's ``X-Request-Id`` when it is sane (at most 128
 characters of a safe set: letters, digits and ``._:/+=@-``, so it can go into a log line, a
 header and a trace attribute as is), else a new random one. It goes upstream as
-``X-Request-Id`` (vLLM and SGLang take it as their own request id, so the engine's log joins
-the router's), back to the client in the response headers, and into every log line written
+``X-Request-Id`` (vLLM's OpenAI server takes that header as its request id, so the engine's log
+joins the router's), back to the client in the response headers, and into every log line written
 while the request is handled (:data:`REQUEST_ID`, read by the log filter of
 router/http/logs.py; a context variable is per asyncio task, so concurrent requests never
 mix).

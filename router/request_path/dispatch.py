@@ -8,6 +8,12 @@ is an Attempt (router/request_path/attempt.py): it holds the backend's counters,
 trial and pending prefill, follows the index's belief lifecycle and tells the policy how it
 ended, and gives everything back on every path; this module only decides what to try next.
 
+Endpoints without a cacheable prompt (router/request_path/endpoints.py: rerank, score,
+tokenize, transcriptions...) skip the key and match steps and are chosen by least load,
+whatever the configured policy. Each request's RequestContext (router/request_path/context.py)
+learns what happened, for the access log and the request's span; with tracing, the routing
+decision is a ``route`` span and each attempt an ``upstream`` span.
+
 Retries: a backend that fails before the client got a byte (router/request_path/proxy.py says which
 failures count) is replaced by the policy's pick among the remaining candidates, at most
 ``upstream.max_attempts`` backends in all and never after ``upstream.retry_deadline_s``.
