@@ -28,7 +28,7 @@ import contextlib
 import itertools
 import time
 from collections import deque
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 import orjson
 from aiohttp import web
@@ -49,6 +49,7 @@ from loadtest.sim.protocol import (
 )
 from loadtest.sim.scheduler import RequestRecord, Scheduler, SimRequest, State
 from loadtest.sim.serving import (
+    PairRequest,
     ResponseShapes,
     detokenize,
     detokenize_ids,
@@ -441,26 +442,27 @@ class SimEngine:
         return web.Response(body=body, content_type="application/json")
 
     async def _rerank(self, request: web.Request) -> web.Response:
-        try:
-            parsed = parse_rerank(await self._json_body(request), self.models)
-            response_id = self._next_id("rerank")
-            pairs = [parsed.query + document for document in parsed.documents]
-            prompt_tokens, _ = await self._pooled(response_id, parsed.model, pairs)
-        except ApiError as error:
-            return self._refused(error)
-        return web.Response(
-            body=rerank_body(parsed, response_id, prompt_tokens), content_type="application/json"
-        )
+        return await self._pairs(request, parse_rerank, "rerank", rerank_body)
 
     async def _score(self, request: web.Request) -> web.Response:
+        return await self._pairs(request, parse_score, "score", score_body)
+
+    async def _pairs(
+        self,
+        request: web.Request,
+        parse: Callable[[object, tuple[str, ...]], PairRequest],
+        prefix: str,
+        build: Callable[[PairRequest, str, int, int], bytes],
+    ) -> web.Response:
+        """Rerank and score: each query-document pair is prefilled as one pooling request."""
         try:
-            parsed = parse_score(await self._json_body(request), self.models)
-            response_id = self._next_id("score")
+            parsed = parse(await self._json_body(request), self.models)
+            response_id = self._next_id(prefix)
             pairs = [parsed.query + document for document in parsed.documents]
             prompt_tokens, _ = await self._pooled(response_id, parsed.model, pairs)
         except ApiError as error:
             return self._refused(error)
-        body = score_body(parsed, response_id, int(time.time()), prompt_tokens)
+        body = build(parsed, response_id, int(time.time()), prompt_tokens)
         return web.Response(body=body, content_type="application/json")
 
     async def _tokenize(self, request: web.Request) -> web.Response:

@@ -93,18 +93,23 @@ def embedding_body(
         if request.base64:
             vector = base64.b64encode(array("f", vector).tobytes()).decode()
         data.append({"index": index, "object": "embedding", "embedding": vector})
-    usage = {
-        "prompt_tokens": prompt_tokens,
-        "total_tokens": prompt_tokens,
-        "completion_tokens": 0,
-        "prompt_tokens_details": {"cached_tokens": cached_tokens},
-    }
+    usage = _pooling_usage(prompt_tokens)
+    usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return _list_body(response_id, created, request.model, data, usage)
+
+
+def _pooling_usage(prompt_tokens: int) -> dict[str, Any]:
+    return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}
+
+
+def _list_body(response_id: str, created: int, model: str, data: list[Any], usage: dict[str, Any]) -> bytes:
+    """vLLM's pooling responses (embeddings, score): an ``object: list`` of results and usage."""
     return orjson.dumps(
         {
             "id": response_id,
             "object": "list",
             "created": created,
-            "model": request.model,
+            "model": model,
             "data": data,
             "usage": usage,
         }
@@ -152,7 +157,9 @@ def relevance(query: str, document: str) -> float:
     return len(words & set(document.lower().split())) / len(words) if words else 0.0
 
 
-def rerank_body(request: PairRequest, response_id: str, total_tokens: int) -> bytes:
+def rerank_body(request: PairRequest, response_id: str, created: int, total_tokens: int) -> bytes:
+    """vLLM's rerank response (no ``created`` in it: the argument keeps the builders alike)."""
+    del created
     results = [
         {"index": i, "document": {"text": doc}, "relevance_score": relevance(request.query, doc)}
         for i, doc in enumerate(request.documents)
@@ -175,17 +182,7 @@ def score_body(request: PairRequest, response_id: str, created: int, prompt_toke
         {"index": i, "object": "score", "score": relevance(request.query, doc)}
         for i, doc in enumerate(request.documents)
     ]
-    usage = {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0}
-    return orjson.dumps(
-        {
-            "id": response_id,
-            "object": "list",
-            "created": created,
-            "model": request.model,
-            "data": data,
-            "usage": usage,
-        }
-    )
+    return _list_body(response_id, created, request.model, data, _pooling_usage(prompt_tokens))
 
 
 # -- tokenize and detokenize ------------------------------------------------------------------
