@@ -14,7 +14,7 @@ import pytest
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.serving import EMBEDDING_DIM, embedding
-from tests.helpers import FAST, backends_of, scrape, total, wait_released
+from tests.helpers import FAST, backends_of, scrape, total, wait_for, wait_released
 
 MODEL = "sim-model"
 #: Long enough for several of the router's 256-character blocks and the engines' 64-character ones.
@@ -325,3 +325,42 @@ async def test_configured_models_get_a_minimal_entry(fleet, make_router, http):
     assert data == [
         {"id": MODEL, "object": "model", "owned_by": "kvroute", "kvroute_backends": ["e0", "e1", "e2"]}
     ]
+
+
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        pytest.param("/v1/embeddings", {"model": MODEL, "input": DOCUMENT}, id="embeddings"),
+        pytest.param(
+            "/v1/responses",
+            {"model": MODEL, "instructions": DOCUMENT, "input": "Summarise.", "max_output_tokens": 2},
+            id="responses",
+        ),
+    ],
+)
+async def test_precise_mode_keys_embeddings_and_responses_as_the_engine_tokenizes_them(
+    make_router, http, path, body
+):
+    """In precise mode a prompt an engine cached behind the router's back (its KV events say so)
+    is routed there: the router's token ids for these endpoints are the engine's."""
+    async with SimFleet(2, timing=FAST, kv_events="vllm") as fleet:
+        router = await make_router(
+            backends_of(fleet), index={"mode": "events", "tokenizer": {"kind": "chunk"}}
+        )
+
+        async def subscribed() -> bool:
+            samples = await scrape(http, router.url)
+            return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") == 2
+
+        await wait_for(subscribed, what="both engines subscribed")
+        status, _, _ = await post_json(http, fleet.urls[1] + path, body)
+        assert status == 200
+
+        async def reported() -> bool:
+            samples = await scrape(http, router.url)
+            return total(samples, "kvroute_kv_events_batches_total", backend="e1") > 0
+
+        await wait_for(reported, what="e1's KV events applied")
+        status, headers, _ = await post_json(http, router.url + path, body)
+        assert status == 200
+        assert (headers["x-kvroute-backend"], headers["x-kvroute-reason"]) == ("e1", "prefix_hit")
