@@ -16,6 +16,7 @@ when its response has ended, written by :func:`log_access`.
 from __future__ import annotations
 
 import logging
+import re
 import sys
 from datetime import datetime, timezone
 from typing import Any
@@ -26,8 +27,6 @@ from router.http.settings import LoggingConfig
 from router.request_path.context import REQUEST_ID, RequestContext
 
 ACCESS_LOG = logging.getLogger("kvroute.access")
-#: The record attribute holding the access log's fields (JSON keys of their own).
-FIELDS = "kvroute_fields"
 
 
 class RequestIdFilter(logging.Filter):
@@ -57,20 +56,20 @@ class JsonFormatter(logging.Formatter):
         self._process = process
 
     def format(self, record: logging.LogRecord) -> str:
+        access = record.msg if isinstance(record.msg, AccessLine) else None
         line: dict[str, Any] = {
             "ts": datetime.fromtimestamp(record.created, timezone.utc).isoformat(timespec="milliseconds"),
             "level": record.levelname,
             "logger": record.name,
-            "msg": record.getMessage(),
+            "msg": "request" if access is not None else record.getMessage(),
         }
         request_id = getattr(record, "request_id", None)
         if request_id:
             line["request_id"] = request_id
         if self._process:
             line["pid"] = record.process
-        fields = getattr(record, FIELDS, None)
-        if fields:
-            line.update(fields)
+        if access is not None:
+            line.update(access.fields)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return orjson.dumps(line, default=str).decode()
@@ -88,8 +87,25 @@ def configure_logging(config: LoggingConfig, level: str, process: bool = False) 
     root.setLevel(level.upper())
 
 
+class AccessLine:
+    """An access log line's message: its fields, written as logfmt only when a text formatter
+    asks (the JSON formatter writes the fields as keys of their own instead)."""
+
+    __slots__ = ("fields",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        self.fields = fields
+
+    def __str__(self) -> str:
+        return " ".join(f"{key}={_logfmt(value)}" for key, value in self.fields.items())
+
+
 def log_access(context: RequestContext, status: int, duration_s: float) -> None:
-    """The access log line of one request (its id is stamped by the filter, as for every line)."""
+    """The access log line of one request (its id is stamped by the filter, as for every line).
+
+    The record is made directly (``makeRecord`` + ``handle``): ``Logger.info`` would also walk
+    the stack for the caller's file and line, the largest cost of a line, and useless here.
+    """
     if not ACCESS_LOG.isEnabledFor(logging.INFO):
         return
     ttft_ms = None if context.ttft is None else round(context.ttft * 1000, 2)
@@ -107,15 +123,19 @@ def log_access(context: RequestContext, status: int, duration_s: float) -> None:
         "ttft_ms": ttft_ms,
         "duration_ms": round(duration_s * 1000, 2),
     }
-    text = " ".join(f"{key}={_logfmt(value)}" for key, value in fields.items())
-    ACCESS_LOG.info(text, extra={FIELDS: fields})
+    ACCESS_LOG.handle(
+        ACCESS_LOG.makeRecord(ACCESS_LOG.name, logging.INFO, "", 0, AccessLine(fields), None, None)
+    )
+
+
+#: A logfmt value left bare: printable ASCII without space, quote, ``=`` or backslash.
+_BARE = re.compile(r"[!#-<>-\[\]-~]+")
 
 
 def _logfmt(value: object) -> str:
-    """A logfmt value: ``-`` for none, quoted (JSON) when it holds a space, a quote or ``=``."""
+    """A logfmt value: ``-`` for none, quoted (JSON) unless it is bare (see ``_BARE``)."""
     if value is None:
         return "-"
-    text = str(value)
-    if not text or any(c in text for c in ' "=\\') or not text.isprintable():
-        return orjson.dumps(text).decode()
-    return text
+    if type(value) is not str:
+        return str(value)
+    return value if _BARE.fullmatch(value) else orjson.dumps(value).decode()
