@@ -176,10 +176,9 @@ class Attempt:
             )  # fmt: skip
         self._check = check
         self.body = check.body if check is not None else routable.body
-        self.tap: ResponseTap | None = check.tap if check is not None else None
+        # Without the closed loop's tap, the access log still wants the engine's cached tokens.
         self._scan = CachedTokensScan() if check is None and context.wants_usage else None
-        if self._scan is not None:
-            self.tap = self._scan
+        self.tap: ResponseTap | None = check.tap if check is not None else self._scan
         backend.in_flight += 1
         self._trial = backend.circuit.begin()
         self._prefill = max(0, view.prompt_tokens - matched_tokens)

@@ -52,12 +52,16 @@ class _Route:
     """What one request is routed with: the policy, the candidates and their matches."""
 
     policy: RoutingPolicy
+    #: The policy's ``policy`` metric label.
+    label: str
     candidates: list[Backend]
     matches: dict[str, int]
     #: The endpoint's prompt is prefix-routed by the configured policy (else load-balanced).
     prefix_routed: bool
-    #: When routing began (``RequestTrace.now()``), for the routing span; 0 without tracing.
-    started: int
+    #: When the dispatcher took the request (``time.perf_counter()``), for the decision time.
+    dispatched: float
+    #: The same moment as a span timestamp, for the ``route`` span; 0 without tracing.
+    trace_started: int
 
 
 class Dispatcher:
@@ -103,19 +107,22 @@ class Dispatcher:
     async def dispatch(
         self, request: web.Request, routable: RoutableRequest, context: RequestContext
     ) -> web.StreamResponse:
+        dispatched = time.perf_counter()
         context.endpoint, context.model, context.tenant = routable.endpoint, routable.model, routable.tenant
         trace = context.trace
-        route_started = trace.now() if trace is not None else 0
+        trace_started = trace.now() if trace is not None else 0
         candidates = self._candidates(routable.model)
         # Endpoints without a cacheable prompt are balanced by load, whatever the policy.
         prefix_routed = routable.endpoint in PREFIX_ROUTED
-        policy = self._policy if prefix_routed else self._balancer
+        policy, label = (
+            (self._policy, self._policy_label) if prefix_routed else (self._balancer, LeastLoad.name)
+        )
         keyed = policy.uses_prefix_match
         view = self.keyer.view(routable, keyed)
         context.prompt_tokens = view.prompt_tokens
         matches = await self._match(view.chain, candidates) if keyed else {}
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
-        route = _Route(policy, candidates, matches, prefix_routed, route_started)
+        route = _Route(policy, label, candidates, matches, prefix_routed, dispatched, trace_started)
         return await self._forward(request, routable, view, route, context)
 
     def _candidates(self, model: str) -> list[Backend]:
@@ -165,15 +172,13 @@ class Dispatcher:
                 candidates = [b for b in candidates if b.routable]
             if not candidates or remaining <= 0:
                 break
-            backend, decision = self._choose(route.policy, view, candidates, route.matches)
+            backend, decision = self._choose(route, view, candidates)
             if number:
                 self.metrics.retries.inc()
             else:
-                self.metrics.decision_time.observe(time.perf_counter() - started)
+                self.metrics.decision_time.observe(time.perf_counter() - route.dispatched)
                 if context.trace is not None:
-                    context.trace.routed(
-                        route.started, self._label_of(route.policy), decision, view, candidates
-                    )
+                    context.trace.routed(route.trace_started, route.label, decision, view, candidates)
             timeout = min(upstream.first_byte_timeout_s, remaining)
             try:
                 with Attempt(
@@ -191,17 +196,14 @@ class Dispatcher:
                 candidates = [b for b in candidates if b is not backend]
         raise self._exhausted(failures, deadline)
 
-    def _label_of(self, policy: RoutingPolicy) -> str:
-        return self._policy_label if policy is self._policy else self._balancer.name
-
     def _choose(
-        self, policy: RoutingPolicy, view: RequestView, candidates: list[Backend], matches: dict[str, int]
+        self, route: _Route, view: RequestView, candidates: list[Backend]
     ) -> tuple[Backend, Decision]:
         """The policy's pick among the candidates' views (the scorers and the picker)."""
-        blocks_of = self.index.blocks_of
+        blocks_of, matches = self.index.blocks_of, route.matches
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
-        decision = policy.choose(view, views)
-        self.metrics.decisions_by(self._label_of(policy), decision.reason).inc()
+        decision = route.policy.choose(view, views)
+        self.metrics.decisions_by(route.label, decision.reason).inc()
         self.metrics.matched_tokens_by(view.model).inc(decision.matched_blocks * view.block_tokens)
         log.debug(
             "route model=%s backend=%s reason=%s matched_blocks=%d of %d",
@@ -214,7 +216,7 @@ class Dispatcher:
         for backend in candidates:
             if backend.name == decision.backend:
                 return backend, decision
-        raise RuntimeError(f"policy {self._label_of(policy)} chose {decision.backend!r}, not a candidate")
+        raise RuntimeError(f"policy {route.label} chose {decision.backend!r}, not a candidate")
 
     def _exhausted(self, failures: list[str], deadline: float) -> OpenAIError:
         """The error when no attempt is left: the deadline passed (504), or no backend could (502)."""
