@@ -71,11 +71,11 @@ async def serve(tmp_path: Path, engine: SimEngine) -> AsyncIterator[Callable[...
             except aiohttp.ClientError:
                 return False
 
-        await wait_for(ready, what="kvroute serve to be ready", timeout=20.0, interval=0.1)
+        await wait_for(ready, what="kvroute serve to be ready", timeout=30.0, interval=0.1)
 
         def stop() -> list[str]:
             proc.terminate()
-            proc.wait(timeout=15)
+            proc.wait(timeout=30)
             return log.read_text().splitlines()
 
         return url, stop

@@ -1,9 +1,9 @@
 """The router's log lines: text or JSON, each carrying the id of the request it is about.
 
-``configure_logging`` installs one handler on the root logger (stderr), replacing
+``configure_logging`` installs one handler on the root logger, replacing
 ``logging.basicConfig``: its filter stamps every record with the id of the request being
-handled (router/request_path/context.py's :data:`REQUEST_ID`, None outside requests), and
-its formatter writes
+handled (router/request_path/context.py's :data:`REQUEST_ID`, None outside requests), and a
+writer thread formats it to stderr as
 
 * ``text``: ``2026-12-05 08:00:00,123 INFO kvroute.dispatch [3f2a…]: message``;
 * ``json``: one object per line, ``{"ts", "level", "logger", "msg", "request_id", ...}``,
@@ -15,10 +15,13 @@ when its response has ended, written by :func:`log_access`.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import re
 import sys
 from datetime import datetime, timezone
+from logging.handlers import QueueHandler, QueueListener
+from queue import SimpleQueue
 from typing import Any
 
 import orjson
@@ -75,16 +78,50 @@ class JsonFormatter(logging.Formatter):
         return orjson.dumps(line, default=str).decode()
 
 
+class _Enqueue(QueueHandler):
+    """Hands records to the writer thread as they are: the request id is already stamped (by
+    the filter, in the request's task), and formatting is the writer's job, off the event loop
+    (the stock ``prepare`` would format here, and flatten an access line's fields to text)."""
+
+    def prepare(self, record: logging.LogRecord) -> logging.LogRecord:
+        return record
+
+
+#: The thread writing log lines, while logging is configured (one per process).
+_writer: QueueListener | None = None
+
+
 def configure_logging(config: LoggingConfig, level: str, process: bool = False) -> None:
-    """Log to stderr in ``config.format`` at ``level``; ``process`` adds the pid (``--workers``)."""
-    handler = logging.StreamHandler(sys.stderr)
-    handler.addFilter(RequestIdFilter())
-    handler.setFormatter(JsonFormatter(process) if config.format == "json" else TextFormatter(process))
+    """Log to stderr in ``config.format`` at ``level``; ``process`` adds the pid (``--workers``).
+
+    Records are formatted and written by a thread of their own (the stdlib's QueueListener):
+    a write to stderr can block (a slow disk, a full pipe to a log collector), and a blocked
+    write on the event loop would stall every request in flight. The loop only queues.
+    """
+    global _writer
+    if _writer is not None:
+        _writer.stop()
+    stream = logging.StreamHandler(sys.stderr)
+    stream.setFormatter(JsonFormatter(process) if config.format == "json" else TextFormatter(process))
+    queue: SimpleQueue[logging.LogRecord] = SimpleQueue()
+    enqueue = _Enqueue(queue)
+    enqueue.addFilter(RequestIdFilter())
     root = logging.getLogger()
     for old in root.handlers[:]:
         root.removeHandler(old)
-    root.addHandler(handler)
+    root.addHandler(enqueue)
     root.setLevel(level.upper())
+    _writer = QueueListener(queue, stream)
+    _writer.start()
+    atexit.register(_stop_writer)
+
+
+def _stop_writer() -> None:
+    """At exit: write what is queued, then stop the thread."""
+    global _writer
+    if _writer is not None:
+        _writer.stop()
+        _writer = None
 
 
 class AccessLine:
