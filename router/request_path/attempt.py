@@ -105,6 +105,7 @@ class Attempt:
         "first_byte_timeout",
         "headers",
         "tap",
+        "tls",
         "upstream_headers",
         "upstream_key",
         "url",
@@ -145,6 +146,7 @@ class Attempt:
         self._cached: int | None = None
         self.backend = backend
         self.url = backend.url
+        self.tls = backend.tls
         self.upstream_key = backend.config.upstream_api_key
         self.first_byte_timeout = first_byte_timeout
         # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
@@ -211,7 +213,7 @@ class Attempt:
         self._release_prefill()
         self._ttft = at - self._sent
         self._context.ttft = at - self._started
-        self._books.metrics.ttft_by(self._routable.endpoint).observe(at - self._started)
+        self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
@@ -266,7 +268,7 @@ class Attempt:
         if self._span is not None:
             self._span.end(self._status, self._error)
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
-        metrics.latency_by(routable.endpoint).observe(time.perf_counter() - self._started)
+        metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:
             self._index.finished(backend.name, self._chain)
         if self._learner is not None:

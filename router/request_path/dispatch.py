@@ -176,7 +176,7 @@ class Dispatcher:
             if number:
                 self.metrics.retries.inc()
             else:
-                self.metrics.decision_time.observe(time.perf_counter() - route.dispatched)
+                self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - route.dispatched)
                 if context.trace is not None:
                     context.trace.routed(route.trace_started, route.label, decision, view, candidates)
             timeout = min(upstream.first_byte_timeout_s, remaining)

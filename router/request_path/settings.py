@@ -15,6 +15,7 @@ from typing import Annotated, Any, Literal
 import msgspec
 
 from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
+from router.fleet.settings import BackendTLSConfig
 
 
 @dataclass(frozen=True)
@@ -54,6 +55,9 @@ class UpstreamConfig:
     #: engines' own keep-alive timeout (uvicorn's 5 s, which vLLM and SGLang serve with), so the
     #: router does not send a request on a connection the engine is closing at that moment.
     keepalive_s: PositiveFloat = 4.0
+    #: TLS to engines at ``https://`` URLs that have no ``tls`` of their own (discovered ones
+    #: included): CA bundle, client certificate, verification, SNI. Changing it needs a restart.
+    tls: BackendTLSConfig = field(default_factory=BackendTLSConfig)
     #: Tell the engines who the client is: append its address to ``X-Forwarded-For`` and set
     #: ``X-Forwarded-Proto`` (kept when a proxy in front already set it), as nginx and Envoy do.
     forwarded_headers: bool = True
