@@ -153,8 +153,9 @@ class SimEngine:
             "responses": [web.post("/v1/responses", self._responses)],
         }
         self.app.add_routes([route for name in sorted(served) for route in routes[name]])
-        #: The headers of the most recent requests (newest last, bounded), for tests of what
-        #: the router sends upstream (request id, forwarding, trace context).
+        #: The headers of the most recent API requests (POSTs; newest last, bounded), for tests
+        #: of what the router sends upstream (request id, forwarding, trace context). Health
+        #: checks and scrapes are left out: they come at any time.
         self.seen_headers: deque[dict[str, str]] = deque(maxlen=64)
         self.app.middlewares.append(self._remember_headers)
         self.app.add_routes(
@@ -364,7 +365,8 @@ class SimEngine:
 
     @web.middleware
     async def _remember_headers(self, request: web.Request, handler) -> web.StreamResponse:
-        self.seen_headers.append(dict(request.headers))
+        if request.method == "POST":
+            self.seen_headers.append(dict(request.headers))
         return await handler(request)
 
     def _next_id(self, prefix: str) -> str:
