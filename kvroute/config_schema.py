@@ -20,7 +20,8 @@ Two files carry it, and a test checks both against what this module generates no
   ``discovery.kubernetes.settings``, the router's ``discovery.kubernetes``) is the config's
   schema inlined, except ``listen``, which the chart sets itself.
 
-``python -m kvroute.config_schema --write`` regenerates both files in a source checkout;
+``python -m kvroute.config_schema --write`` regenerates both files in a source checkout, and the
+generated reference of every key in ``docs/configuration.md`` (``kvroute.config_reference``);
 without arguments it prints the config's schema, as ``kvroute config schema`` does.
 """
 
@@ -39,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from kvroute.config_reference import REFERENCE_PAGE, page_with_reference
 from router.config import ConfigFile
 from router.fleet.settings import KubernetesDiscoveryConfig
 
@@ -170,11 +172,16 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def write() -> list[Path]:
-    """Regenerate both files; the ones that changed."""
+    """Regenerate both files and the reference page; the ones that changed."""
     changed = []
+    schema = config_schema()
     chart = chart_values_schema(json.loads(CHART_SCHEMA.read_text(encoding="utf-8")))
-    for path, schema in ((DOCS_SCHEMA, config_schema()), (CHART_SCHEMA, chart)):
-        text = render(schema)
+    reference = page_with_reference(REFERENCE_PAGE.read_text(encoding="utf-8"), schema)
+    for path, text in (
+        (DOCS_SCHEMA, render(schema)),
+        (CHART_SCHEMA, render(chart)),
+        (REFERENCE_PAGE, reference),
+    ):
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             changed.append(path)

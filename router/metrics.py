@@ -180,6 +180,12 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.engine_mismatch = Gauge(
+            "kvroute_backend_engine_mismatch",
+            "1 while the backend's /metrics answers but holds none of the metrics of its engine: kind",
+            ["backend"],
+            registry=r,
+        )
         self.circuit_state = Gauge(
             "kvroute_backend_circuit_state",
             "Passive ejection per backend: 1 for the backend's state (closed: in rotation, half_open: "
@@ -210,6 +216,7 @@ class RouterMetrics:
             self.engine_kv_usage,
             self.circuit_state,
             self.draining,
+            self.engine_mismatch,
             self.index_capacity,
         )
 

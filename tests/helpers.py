@@ -20,6 +20,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.programs import require
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import Config, config_from_dict
@@ -107,7 +108,7 @@ def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> 
 
 
 def _openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+    subprocess.run([require("openssl"), *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 def make_certificates(directory: Path) -> Path:

@@ -11,6 +11,7 @@ import subprocess
 import aiohttp
 import yaml
 
+from loadtest.programs import require
 from router.config import config_from_dict
 from router.http.server import RouterServer
 from router.http.worker_metrics import WorkerGroup
@@ -25,7 +26,11 @@ CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}]
 def promtool_problems(text: str) -> str:
     """What ``promtool check metrics`` says of an exposition (empty when it is clean)."""
     checked = subprocess.run(
-        ["promtool", "check", "metrics"], input=text.encode(), capture_output=True, timeout=30, check=False
+        [require("promtool"), "check", "metrics"],
+        input=text.encode(),
+        capture_output=True,
+        timeout=30,
+        check=False,
     )
     return (checked.stdout + checked.stderr).decode() + ("" if checked.returncode == 0 else " (failed)")
 

@@ -35,7 +35,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.sim.cache import PrefixCache
-from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher
+from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher, require_zmq
 from loadtest.sim.metrics import CONTENT_TYPE, EngineMetrics
 from loadtest.sim.protocol import (
     DONE_FRAME,
@@ -170,6 +170,7 @@ class SimEngine:
         #: The KV event publisher, while started with ``kv_events``.
         self.publisher: KVEventPublisher | None = None
         if kv_events is not None:
+            require_zmq()  # fail here, naming the extra, rather than when the engine starts
             discovery = "/server_info" if kv_events == "sglang" else "/kv_event_sources"
             self.app.add_routes(
                 [

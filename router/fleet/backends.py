@@ -54,6 +54,11 @@ class Backend:
         #: The engine's last scrape, shown to policies until ``engine_fresh_until`` (monotonic).
         self.engine: EngineStats | None = None
         self.engine_fresh_until = 0.0
+        #: Why the last readable /metrics told nothing (its ``engine:`` adapter found none of its
+        #: metrics there), naming the engine it looks like when another adapter's are; else None.
+        self.engine_mismatch: str | None = None
+        #: Why its KV events look like another engine's (precise mode, router/kv_events/); else None.
+        self.kv_events_mismatch: str | None = None
 
     def record_failure(self, unhealthy_after: int) -> None:
         """A failed active check: after ``unhealthy_after`` in a row it leaves rotation."""

@@ -17,7 +17,7 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import Config
+from router.config import Config, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import start_shared_load
@@ -30,7 +30,6 @@ from router.http.request_context import request_context
 from router.http.worker_metrics import MetricsUnavailable, WorkerGroup, group_exposition
 from router.index import PrefixIndex
 from router.index.build import build_index
-from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.request_path.context import CONTEXT
 from router.request_path.dispatch import Dispatcher
@@ -163,12 +162,13 @@ def _metrics_handler(
 
 
 def build_app(
-    config: Config, config_path: str | None = None, group: WorkerGroup | None = None
+    config: Config, config_path: str | ConfigSource | None = None, group: WorkerGroup | None = None
 ) -> web.Application:
     """The router as an aiohttp Application; its background work starts and stops with it.
 
-    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``); ``group``:
-    this process is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``), with the
+    command line's settings on top when it is a :class:`ConfigSource`; ``group``: this process
+    is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
     """
     pool = BackendPool(config.backends, config.health, config.upstream.tls)
     router_metrics = RouterMetrics()
@@ -209,7 +209,12 @@ def build_app(
             await upkeep.start()
             await index.start()
             shared_load = start_shared_load(index, pool)
-            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            kv_events = None
+            if config.index.mode == "events":
+                # Imported only in precise mode: pyzmq is the `precise` extra's, not a dependency.
+                from router.kv_events.subscriber import start_kv_events
+
+                kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
             try:
                 yield
             finally:

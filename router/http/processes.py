@@ -46,7 +46,7 @@ from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from router.config import Config
+from router.config import Config, ConfigSource
 from router.http.worker_metrics import WorkerGroup
 
 log = logging.getLogger("kvroute.workers")
@@ -86,7 +86,7 @@ def refusal(config: Config, workers: int) -> str | None:
 
 
 def _process_main(
-    config: Config, config_path: str | None, supervisor: Connection, group: WorkerGroup
+    config: Config, config_path: str | ConfigSource | None, supervisor: Connection, group: WorkerGroup
 ) -> None:
     from router.http.logs import configure_logging
     from router.http.server import serve_forever
@@ -105,7 +105,7 @@ def _process_main(
     )
 
 
-def serve_processes(config: Config, workers: int, config_path: str | None = None) -> int:
+def serve_processes(config: Config, workers: int, config_path: str | ConfigSource | None = None) -> int:
     """Run ``workers`` worker processes until a signal (exit 0) or a worker's death (exit 1).
 
     Each worker drains on SIGTERM/SIGINT and reloads ``config_path`` on SIGHUP, as a single

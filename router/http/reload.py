@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from router.config import Config, ConfigError, ConfigFile, load_config
+from router.config import Config, ConfigError, ConfigFile, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.http.auth import AdminKey, KeyStore
@@ -66,12 +66,19 @@ class Runtime:
     """
 
     def __init__(
-        self, config: Config, pool: BackendPool, registry: CollectorRegistry, path: str | None = None
+        self,
+        config: Config,
+        pool: BackendPool,
+        registry: CollectorRegistry,
+        source: str | ConfigSource | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
-        #: The file to re-read on reload (None: started from a dict; reload is refused).
-        self.path = path
+        #: What a reload reads again: the file, with the command line's settings on top (None:
+        #: started from a dict; reload is refused).
+        self.source = ConfigSource(source) if isinstance(source, str) else source
+        #: The file a reload re-reads (None: no file; reload is refused).
+        self.path = self.source.path if self.source is not None else None
         self.keys = KeyStore(config.auth, config.tenancy)
         self.admin_key = AdminKey(config.admin.admin_key())
         self.limiter = RateLimiter(config.limits.tenant_default, config.limits.tenant_limits(), registry)
@@ -84,10 +91,10 @@ class Runtime:
 
     def reload_file(self) -> dict[str, object]:
         """Re-read ``path`` and apply it; ConfigError (nothing changed) when it is invalid."""
-        if self.path is None:
+        if self.source is None or self.source.path is None:
             raise ConfigError("the router was not started from a config file; nothing to reload")
         try:
-            new = load_config(self.path)
+            new = self.source.load()
         except ConfigError as exc:
             self.reloads.labels("refused").inc()
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)

@@ -6,16 +6,40 @@ import asyncio
 import contextlib
 import gc
 import signal
+import socket
 from collections.abc import Callable
 
 from aiohttp import web
 
-from router.config import Config, ConfigError
+from router.config import Config, ConfigError, ConfigSource
 from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
 from router.http.protocol_errors import OpenAIErrorRunner
 from router.http.server_log import HTTP_LOG
 from router.http.settings import ListenConfig
 from router.http.worker_metrics import WorkerGroup, serve_to_peers
+
+
+class ListenError(RuntimeError):
+    """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as the server will (``SO_REUSEADDR``), so that a taken port
+    is told at once, before the start's health checks and scrapes, in one line (ListenError).
+    Port 0 always binds. The server's own bind still reports a port taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class RouterServer:
@@ -25,7 +49,7 @@ class RouterServer:
         self,
         config: Config,
         reuse_port: bool = False,
-        config_path: str | None = None,
+        config_path: str | ConfigSource | None = None,
         group: WorkerGroup | None = None,
     ) -> None:
         self.config = config
@@ -84,21 +108,23 @@ class RouterServer:
         site = web.TCPSite(
             self._runner, self.config.listen.host, self.config.listen.port, reuse_port=self.reuse_port or None
         )
-        await site.start()
+        await self._bind(site, self.config.listen.host, self.config.listen.port)
         self.port = self._runner.addresses[0][1]
         admin_listen = self.config.admin.listen
         if self._admin_runner is not None and admin_listen is not None:
             await self._admin_runner.setup()
-            await web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port).start()
+            admin_site = web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port)
+            await self._bind(admin_site, admin_listen.host, admin_listen.port)
             self.admin_port = self._admin_runner.addresses[0][1]
         metrics_listen = self.config.metrics.listen
         if self._metrics_runner is not None and metrics_listen is not None:
             await self._metrics_runner.setup()
             # Every worker binds it too (SO_REUSEPORT): whichever answers reports the group.
             reuse = self.reuse_port or None
-            await web.TCPSite(
+            metrics_site = web.TCPSite(
                 self._metrics_runner, metrics_listen.host, metrics_listen.port, reuse_port=reuse
-            ).start()
+            )
+            await self._bind(metrics_site, metrics_listen.host, metrics_listen.port)
             self.metrics_port = self._metrics_runner.addresses[0][1]
         if self.group is not None:
             app = self.app
@@ -110,6 +136,14 @@ class RouterServer:
     def metrics_url(self) -> str:
         """Where ``/metrics`` answers: its own listener if configured, else the main one."""
         return self._side_url(self.config.metrics.listen, self.metrics_port)
+
+    async def _bind(self, site: web.TCPSite, host: str, port: int) -> None:
+        """Start listening; a socket that cannot be bound stops what started and says where."""
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     @property
     def admin_url(self) -> str:
@@ -165,7 +199,7 @@ def tune_gc() -> None:
 
 async def serve_forever(
     config: Config,
-    config_path: str | None = None,
+    config_path: str | ConfigSource | None = None,
     reuse_port: bool = False,
     reload_peers: Callable[[], None] | None = None,
     group: WorkerGroup | None = None,
