@@ -100,7 +100,7 @@ def configure_logging(config: LoggingConfig, level: str, process: bool = False) 
     """
     global _writer
     if _writer is not None:
-        _writer.stop()
+        _writer.stop()  # configured again: the new writer takes over (at-exit stop stays registered)
     stream = logging.StreamHandler(sys.stderr)
     stream.setFormatter(JsonFormatter(process) if config.format == "json" else TextFormatter(process))
     queue: SimpleQueue[logging.LogRecord] = SimpleQueue()
@@ -111,9 +111,10 @@ def configure_logging(config: LoggingConfig, level: str, process: bool = False) 
         root.removeHandler(old)
     root.addHandler(enqueue)
     root.setLevel(level.upper())
+    if _writer is None:
+        atexit.register(_stop_writer)
     _writer = QueueListener(queue, stream)
     _writer.start()
-    atexit.register(_stop_writer)
 
 
 def _stop_writer() -> None:
