@@ -13,7 +13,7 @@ COPY kvroute ./kvroute
 COPY router ./router
 COPY policies ./policies
 COPY loadtest ./loadtest
-RUN /opt/kvroute/bin/pip install --no-compile . \
+RUN /opt/kvroute/bin/pip install --no-compile ".[precise]" \
     && /opt/kvroute/bin/python -m compileall -q /opt/kvroute
 
 FROM python:3.11-slim-bookworm
