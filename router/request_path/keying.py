@@ -21,6 +21,7 @@ from abc import ABC, abstractmethod
 from policies.types import RequestView
 from router.index.keys import PrefixHasher, block_keys, chain_seed
 from router.index.settings import IndexConfig
+from router.request_path.endpoints import COMPLETIONS
 from router.request_path.prompts import token_input
 from router.request_path.request import RoutableRequest
 from router.request_path.tokenize import Tokenizer, load_tokenizer
@@ -76,9 +77,9 @@ class CharKeyer(Keyer):
     def cacheable_blocks(self, routable: RoutableRequest, tokens: int | None) -> int | None:
         """A completion's prompt is the engine's whole prompt: the block holding its last byte
         holds its last token, which the engine computes, so at most the blocks before that one.
-        A chat prompt here is the messages only; the template's generation prompt follows them in
-        the engine's prompt, so every block of this chain can be a hit: no cap."""
-        if routable.endpoint == CHAT:
+        Any other prompt here (chat, responses) is the messages only; the template's generation
+        prompt follows them in the engine's prompt, so every block of this chain can be a hit: no cap."""
+        if routable.endpoint != COMPLETIONS:
             return None
         return max(0, len(routable.prompt) - 1) // self.block_size
 
