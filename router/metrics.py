@@ -169,11 +169,24 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.pair_decisions = Counter(
+            "kvroute_pd_decisions",
+            "Prefill/decode disaggregation: each side's choice, by side (prefill, decode), policy and reason",
+            ["side", "policy", "reason"],
+            registry=r,
+        )
+        self.pair_retries = Counter(
+            "kvroute_pd_retries",
+            "Prefill/decode pairs tried again after one side failed before any byte, by the side that failed",
+            ["side"],
+            registry=r,
+        )
         # The request path's per-request metrics, through memoised children (see Children).
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)
         self.ttft_by = Children(self.ttft)
         self.decisions_by = Children(self.decisions)
+        self.pair_decisions_by = Children(self.pair_decisions)
         self.prompt_tokens_by = Children(self.prompt_tokens)
         self.matched_tokens_by = Children(self.matched_tokens)
         self.index_lookups_by = Children(self.index_lookups)

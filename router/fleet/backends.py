@@ -22,6 +22,8 @@ class Backend:
         self.config = config
         self.name = config.name
         self.url = config.url.rstrip("/")
+        #: ``prefill``, ``decode`` or ``both`` (prefill/decode disaggregation).
+        self.role = config.role
         #: Configured models, or those last read from the backend's ``/v1/models``.
         self.models: frozenset[str] = frozenset(config.models or ())
         #: Out of rotation until its first successful check (done before the router listens).
@@ -118,6 +120,9 @@ class BackendPool:
     def __init__(self, configs: Iterable[BackendConfig] = (), health: HealthConfig | None = None) -> None:
         self.health = health or HealthConfig()
         self._backends = {c.name: Backend(c, self.health) for c in configs}
+        #: Whether any backend has a prefill or decode role: only then does the request path
+        #: look for pairs (router/request_path/disaggregated.py).
+        self.role_split = self._any_role()
         self._on_added: list[PoolListener] = []
         self._on_removed: list[PoolListener] = []
 
@@ -137,6 +142,7 @@ class BackendPool:
             self.remove(config.name)
         backend = Backend(config, self.health)
         self._backends[config.name] = backend
+        self.role_split = self._any_role()
         for listener in self._on_added:
             listener(backend)
         return backend
@@ -144,9 +150,13 @@ class BackendPool:
     def remove(self, name: str) -> Backend | None:
         backend = self._backends.pop(name, None)
         if backend is not None:
+            self.role_split = self._any_role()
             for listener in self._on_removed:
                 listener(backend)
         return backend
+
+    def _any_role(self) -> bool:
+        return any(b.role != "both" for b in self._backends.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._backends

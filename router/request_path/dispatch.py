@@ -8,6 +8,9 @@ is an Attempt (router/request_path/attempt.py): it holds the backend's counters,
 trial and pending prefill, follows the index's belief lifecycle and tells the policy how it
 ended, and gives everything back on every path; this module only decides what to try next.
 
+A model served by prefill and decode engines (``backends[].role``) takes one branch of its own,
+router/request_path/disaggregated.py, only when the pool has such backends at all.
+
 Retries: a backend that fails before the client got a byte (router/request_path/proxy.py says which
 failures count) is replaced by the policy's pick among the remaining candidates, at most
 ``upstream.max_attempts`` backends in all and never after ``upstream.retry_deadline_s``.
@@ -30,6 +33,7 @@ from router.index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks
 from router.request_path.beliefs import BeliefMetrics, ClosedLoop
+from router.request_path.disaggregated import Pairs, is_role_split
 from router.request_path.keying import build_keyer
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
@@ -63,6 +67,9 @@ class Dispatcher:
             closed_loop = ClosedLoop(index, self.keyer.block_tokens, tolerance, beliefs)
         self.books = AttemptBooks(metrics, index, self.keyer.block_tokens, closed_loop)
         self.policy = policy
+        #: Chooses decode engines for models served by prefill/decode pairs (its own reload rule).
+        self.decode_policy = config.decode_policy
+        self.pairs = Pairs(self.books, proxy, metrics)
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -78,11 +85,26 @@ class Dispatcher:
     async def dispatch(self, request: web.Request, routable: RoutableRequest) -> web.StreamResponse:
         started = time.perf_counter()
         candidates = self._candidates(routable.model)
+        if self.pool.role_split and is_role_split(candidates):
+            return await self._pairs(request, routable, candidates, started)
         keyed = self._policy.uses_prefix_match
         view = self.keyer.view(routable, keyed)
         matches = await self._match(view.chain, candidates) if keyed else {}
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
         return await self._forward(request, routable, view, candidates, matches, started)
+
+    async def _pairs(
+        self, request: web.Request, routable: RoutableRequest, candidates: list[Backend], started: float
+    ) -> web.StreamResponse:
+        """A model served by prefill/decode pairs: one index lookup over both pools, then the pair."""
+        policy, decode_policy = self._policy, self.decode_policy
+        keyed = policy.uses_prefix_match or decode_policy.uses_prefix_match
+        view = self.keyer.view(routable, keyed)
+        matches = await self._match(view.chain, candidates) if keyed else {}
+        self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
+        return await self.pairs.dispatch(
+            request, routable, view, candidates, matches, started, self.config, policy, decode_policy
+        )
 
     def _candidates(self, model: str) -> list[Backend]:
         """The backends serving ``model`` that are in rotation (the filter)."""
