@@ -44,8 +44,15 @@ def _sim(args: argparse.Namespace) -> int:
     from loadtest.sim.timing import EngineTiming
 
     logging.basicConfig(level=logging.INFO)
-    timing = EngineTiming(kv_blocks=args.kv_blocks) if args.kv_blocks else EngineTiming()
-    run_event_loop(serve_fleet(args.engines, args.host, args.port, timing, kv_events=args.kv_events))
+    link = {"kv_link_bytes_per_s": args.kv_link_gbytes_per_s * 1e9} if args.kv_link_gbytes_per_s else {}
+    if args.kv_bytes_per_token:
+        link["kv_bytes_per_token"] = args.kv_bytes_per_token
+    if args.kv_blocks:
+        link["kv_blocks"] = args.kv_blocks
+    timing = EngineTiming(**link)
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    count = len(roles) or args.engines
+    run_event_loop(serve_fleet(count, args.host, args.port, timing, kv_events=args.kv_events, roles=roles))
     return 0
 
 
@@ -130,6 +137,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events",
         choices=ENGINE_KINDS,
         help="also publish KV cache events over ZMQ in this engine's format (for index.mode: events)",
+    )
+    sim.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill/decode disaggregation: this many prefill engines first, then --decode ones "
+        "(they replace --engines; both protocols: SGLang bootstrap, vLLM kv_transfer_params)",
+    )
+    sim.add_argument("--decode", type=int, default=0, help="decode engines after the --prefill ones")
+    sim.add_argument(
+        "--kv-bytes-per-token", type=int, default=0, help="KV bytes per token handed over (default 131072)"
+    )
+    sim.add_argument(
+        "--kv-link-gbytes-per-s",
+        type=float,
+        default=0.0,
+        help="prefill-to-decode link bandwidth in GB/s (default 100)",
     )
     sim.set_defaults(func=_sim)
 

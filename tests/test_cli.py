@@ -111,6 +111,43 @@ def test_sim_and_serve_work_together(tmp_path: Path, processes):
         assert json.loads(resp.read())["choices"][0]["message"]["content"]
 
 
+def test_sim_runs_a_prefill_decode_fleet_behind_serve(tmp_path: Path, processes):
+    engine_port = free_port_pair()
+    processes.append(
+        subprocess.Popen([*KVROUTE, "sim", "--prefill", "1", "--decode", "1", "--port", str(engine_port)])
+    )
+    wait_until_up(f"http://127.0.0.1:{engine_port}/health")
+    wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        router_port = probe.getsockname()[1]
+    config = tmp_path / "kvroute.yaml"
+    # The simulated prefill engine's bootstrap port is its HTTP port.
+    config.write_text(
+        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+        "backends:\n"
+        f"  - {{name: p, url: 'http://127.0.0.1:{engine_port}', engine: sglang, role: prefill,"
+        f" bootstrap_port: {engine_port}}}\n"
+        f"  - {{name: d, url: 'http://127.0.0.1:{engine_port + 1}', engine: sglang, role: decode}}\n"
+    )
+    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+    request = urllib.request.Request(
+        f"{router}/v1/chat/completions",
+        data=json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert (resp.headers["x-kvroute-prefill-backend"], resp.headers["x-kvroute-decode-backend"]) == (
+            "p",
+            "d",
+        )
+        assert json.loads(resp.read())["choices"][0]["message"]["content"]
+    _, stats = get(f"http://127.0.0.1:{engine_port + 1}/sim/stats")
+    assert json.loads(stats)["role"] == "decode" and json.loads(stats)["completed"] == 1
+
+
 @pytest.mark.parametrize(("kind", "discovery"), [("vllm", "/kv_event_sources"), ("sglang", "/server_info")])
 def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
     """``kvroute sim --kv-events``: the engine names its ZMQ endpoint where that engine does, and a

@@ -15,7 +15,7 @@ import pytest
 
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
-from router.http.app import POOL
+from router.http.app import INDEX, POOL
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL
 from tests.helpers import FAST, scrape, total, wait_released
@@ -308,3 +308,39 @@ async def test_a_co_located_fleet_never_takes_the_pair_branch(fleet, make_router
     assert not router.app[POOL].role_split
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_pd_decisions_total") == 0
+
+
+@pytest.mark.parametrize("decode_caches", [False, True])
+async def test_the_index_learns_the_prefill_side_and_the_decode_side_when_it_caches(
+    pd_fleet, make_router, http, decode_caches
+):
+    router = await make_router(
+        pd_backends(pd_fleet, "vllm"),
+        index={"closed_loop": True},
+        disaggregation={"decode_caches_prefixes": decode_caches},
+    )
+    ai = client(router)
+    reasons = []
+    for question in ["one", "two", "three"]:
+        raw = await ai.chat.completions.with_raw_response.create(
+            model="sim-model", messages=messages(question), max_tokens=2
+        )
+        reasons.append(raw.headers["x-kvroute-decode-reason"])
+    index = router.app[INDEX]
+    held = {b.name: index.blocks_of(b.name) for b in router.app[POOL]}
+    assert sum(held[name] for name in ("p0", "p1")) > 0
+    if decode_caches:
+        # The decode engine that received the prefix holds it: the next pair goes back there.
+        assert sum(held[name] for name in ("d0", "d1")) > 0
+        assert reasons[1:] == ["decode_cached", "decode_cached"]
+    else:
+        assert held["d0"] == held["d1"] == 0
+        assert set(reasons) == {"decode_balance"}
+    # Closed loop: the beliefs are checked against the prefill engines' reports, and only theirs.
+    samples = await scrape(http, router.url)
+    prefilled = sum(e.scheduler.cached_tokens for e in pd_fleet.engines if e.role == "prefill")
+    assert prefilled > 0
+    assert total(samples, "kvroute_belief_reported_tokens_total") == prefilled
+    assert total(samples, "kvroute_belief_reported_tokens_total", backend="d0") == 0
+    await wait_released(http, router.url)
+    assert_released(router)
