@@ -109,7 +109,11 @@ _BENCHMARKS = {
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(_BENCHMARKS[args.benchmark]).main(args.options)
+    module = _BENCHMARKS[args.benchmark]
+    if args.benchmark == "routing" and any(o == "--pd" or o.startswith("--pd=") for o in args.options):
+        # A prefill/decode fleet: its own contenders and figures (loadtest/bench_disaggregation.py).
+        module = "loadtest.bench_disaggregation"
+    return importlib.import_module(module).main(args.options)
 
 
 def build_parser() -> argparse.ArgumentParser:
