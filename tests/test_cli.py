@@ -77,26 +77,33 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path):
     assert "backends[0].url" in result.stderr
 
 
+def serve(tmp_path: Path, processes: list[subprocess.Popen], sections: str) -> str:
+    """``kvroute serve`` on a free port with ``sections`` of YAML; its URL once it is ready."""
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        router_port = probe.getsockname()[1]
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(f"listen: {{host: 127.0.0.1, port: {router_port}}}\n{sections}")
+    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+    return router
+
+
 def test_sim_and_serve_work_together(tmp_path: Path, processes):
     engine_port = free_port_pair()
     processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(engine_port)]))
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        router_port = probe.getsockname()[1]
-    config = tmp_path / "kvroute.yaml"
-    config.write_text(
-        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+    router = serve(
+        tmp_path,
+        processes,
         "backends:\n"
         f"  - {{name: a, url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
         f"  - {{name: b, url: 'http://127.0.0.1:{engine_port + 1}', engine: vllm}}\n"
-        "routing: {policy: prefix_aware}\n"
+        "routing: {policy: prefix_aware}\n",
     )
-    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
-    router = f"http://127.0.0.1:{router_port}"
-    wait_until_up(f"{router}/ready")
 
     status, body = get(f"{router}/v1/models")
     assert status == 200
@@ -118,21 +125,15 @@ def test_sim_runs_a_prefill_decode_fleet_behind_serve(tmp_path: Path, processes)
     )
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        router_port = probe.getsockname()[1]
-    config = tmp_path / "kvroute.yaml"
     # The simulated prefill engine's bootstrap port is its HTTP port.
-    config.write_text(
-        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+    router = serve(
+        tmp_path,
+        processes,
         "backends:\n"
         f"  - {{name: p, url: 'http://127.0.0.1:{engine_port}', engine: sglang, role: prefill,"
         f" bootstrap_port: {engine_port}}}\n"
-        f"  - {{name: d, url: 'http://127.0.0.1:{engine_port + 1}', engine: sglang, role: decode}}\n"
+        f"  - {{name: d, url: 'http://127.0.0.1:{engine_port + 1}', engine: sglang, role: decode}}\n",
     )
-    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
-    router = f"http://127.0.0.1:{router_port}"
-    wait_until_up(f"{router}/ready")
     request = urllib.request.Request(
         f"{router}/v1/chat/completions",
         data=json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),

@@ -199,6 +199,8 @@ class _Pair:
         self.started = started
         self.timeout = timeout
         self.config = config
+        #: The pair's x-kvroute-* response headers (set by ``run``).
+        self.headers: dict[str, str] = {}
 
     async def run(
         self, prefill: Backend, prefill_decision: Decision, decode: Backend, decode_decision: Decision
