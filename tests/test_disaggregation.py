@@ -15,10 +15,10 @@ import pytest
 
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.fleet import SimFleet
-from router.http.app import INDEX, POOL
+from router.http.app import DISPATCHER, INDEX, POOL
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL
-from tests.helpers import FAST, scrape, total, wait_released
+from tests.helpers import FAST, scrape, total, wait_for, wait_released
 
 ENGINES = ("sglang", "vllm")
 #: A long shared system prompt: many full blocks, so a second turn finds the first's prefix cached.
@@ -344,3 +344,60 @@ async def test_the_index_learns_the_prefill_side_and_the_decode_side_when_it_cac
     assert total(samples, "kvroute_belief_reported_tokens_total", backend="d0") == 0
     await wait_released(http, router.url)
     assert_released(router)
+
+
+async def test_a_reload_switches_the_decode_policy_and_keeps_it_otherwise(pd_fleet, deploy, http):
+    admin = {"Authorization": "Bearer admin-0123456789"}
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": pd_backends(pd_fleet, "vllm"),
+        "routing": {"seed": 1},
+        "admin": {"key": "admin-0123456789"},
+    }
+    deployment = await deploy(config)
+    body = {"model": "sim-model", "prompt": SYSTEM, "max_tokens": 2}
+
+    async def decode_reason() -> str:
+        async with http.post(f"{deployment.server.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            return resp.headers["x-kvroute-decode-reason"]
+
+    assert await decode_reason() == "decode_balance"
+    kept = deployment.server.app[DISPATCHER].decode_policy
+    deployment.write({**config, "log_level": "warning"})
+    assert (await deployment.reload(http, admin))[0] == 200
+    assert deployment.server.app[DISPATCHER].decode_policy is kept  # unchanged section: same policy
+    deployment.write({**config, "disaggregation": {"decode_routing": {"policy": "round_robin"}}})
+    status, payload = await deployment.reload(http, admin)
+    assert status == 200 and "disaggregation" in payload["changed"]
+    assert await decode_reason() == "round_robin"
+
+
+async def test_precise_mode_learns_the_prefill_engines_from_their_kv_events(make_router, http):
+    roles = ("prefill", "prefill", "decode", "decode")
+    async with SimFleet(4, timing=FAST, kv_events="vllm", roles=roles) as fleet:
+        router = await make_router(
+            pd_backends(fleet, "vllm"), index={"mode": "events", "tokenizer": {"kind": "chunk"}}
+        )
+
+        async def subscribed() -> bool:
+            samples = await scrape(http, router.url)
+            return total(samples, "kvroute_kv_events_resyncs_total", reason="connect") == 4
+
+        await wait_for(subscribed, what="every engine subscribed")
+        # p1 prefills this prompt for somebody else (another router): this router never saw it.
+        body = {"model": "sim-model", "messages": messages("behind your back"), "max_tokens": 1}
+        prefill = {**body, "kv_transfer_params": {"do_remote_decode": True}}
+        async with http.post(f"{fleet.engines[1].url}/v1/chat/completions", json=prefill) as resp:
+            assert resp.status == 200
+        index = router.app[INDEX]
+
+        async def reported() -> bool:
+            return index.engine_hashes("p1") == fleet.engines[1].cache.keys() != set()
+
+        await wait_for(reported, what="p1's index equal to its engine's cache")
+        async with http.post(f"{router.url}/v1/chat/completions", json={**body, "max_tokens": 2}) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-prefill-backend"] == "p1"
+            assert resp.headers["x-kvroute-prefill-reason"] == "prefix_hit"
+            assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
