@@ -401,3 +401,19 @@ async def test_precise_mode_learns_the_prefill_engines_from_their_kv_events(make
             assert resp.headers["x-kvroute-prefill-backend"] == "p1"
             assert resp.headers["x-kvroute-prefill-reason"] == "prefix_hit"
             assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
+
+
+async def test_a_learning_routing_policy_hears_the_prefill_side_it_chose(pd_fleet, make_router):
+    router = await make_router(
+        pd_backends(pd_fleet, "sglang"),
+        routing={"policy": "tests.test_policy_outcomes:Recorder"},
+        index={"closed_loop": True},
+    )
+    ai = client(router)
+    await ai.chat.completions.create(model="sim-model", messages=messages("learn"), max_tokens=2)
+    await ai.chat.completions.create(model="sim-model", messages=messages("learn"), max_tokens=2)
+    outcomes = router.app[DISPATCHER].policy.outcomes
+    assert [(o.backend, o.status, o.error) for o in outcomes] == [("p0", 200, None), ("p0", 200, None)]
+    # The prefill side's report, not the decode engine's: the second prompt was cached on p0.
+    assert outcomes[0].cached_tokens == pd_fleet.engines[0].records[0].cached_tokens
+    assert outcomes[1].cached_tokens == pd_fleet.engines[0].records[1].cached_tokens > 0

@@ -149,7 +149,9 @@ class Attempt:
         self._view = view
         self._started = started
         self._matched_tokens = matched_tokens
-        self._learner = books.learner
+        #: The policy that chose this backend hears how it went; a pair's decode side was chosen
+        #: by the decode policy, which is told nothing (the routing policy learns its prefill side).
+        self._learner = books.learner if side is None or side.prefill else None
         #: When this attempt was sent, for the outcome's time to first token: a backend that
         #: took over after a failed attempt is not charged that attempt's wait. (The TTFT
         #: metric measures the whole request, from ``started``.) Read only for a learner.
