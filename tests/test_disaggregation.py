@@ -276,12 +276,25 @@ async def test_vllm_prefill_without_a_connector_is_a_failed_prefill(fault_engine
         {"name": "p0", "url": plain.url, "role": "prefill", "models": [MODEL]},
         {"name": "d0", "url": decode.url, "role": "decode", "models": [MODEL]},
     ]
-    router = await make_router(backends)
-    async with http.post(f"{router.url}/v1/completions", json={"model": MODEL, "prompt": "x"}) as resp:
+    router = await make_router(backends, disaggregation={"vllm_kv_transfer_params": {"connector_hint": "x"}})
+    request = {"model": MODEL, "prompt": "x", "stream": True, "stream_options": {"include_usage": True}}
+    async with http.post(f"{router.url}/v1/completions", json=request) as resp:
         body = await resp.json()
     assert resp.status == 502
     assert "no kv_transfer_params" in body["error"]["message"]
     assert decode.received == 0
+    # What the prefill engine was sent: one token, no stream, NixlConnector's params and the configured extra.
+    (sent,) = plain.bodies
+    assert (sent["max_tokens"], sent["stream"], "stream_options" in sent) == (1, False, False)
+    assert sent["kv_transfer_params"] == {
+        "do_remote_decode": True,
+        "do_remote_prefill": False,
+        "remote_engine_id": None,
+        "remote_block_ids": None,
+        "remote_host": None,
+        "remote_port": None,
+        "connector_hint": "x",
+    }
     assert_released(router)
 
 
