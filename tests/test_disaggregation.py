@@ -202,12 +202,12 @@ async def test_a_decode_failure_before_the_first_byte_retries_the_pair(
         assert raw.headers["x-kvroute-decode-backend"] == "f1"
         assert prefills[0].scheduler.completed == 2
         assert failing.received == 1 and serving.received == 1
-        sent = serving.bodies[-1]
+        sent = serving.json_bodies[-1]
         if engine == "sglang":
             assert {"bootstrap_host", "bootstrap_port", "bootstrap_room"} <= sent.keys()
             assert sent["bootstrap_port"] == prefills[0].bootstrap_port
             # A retried pair gets a room of its own.
-            assert sent["bootstrap_room"] != failing.bodies[-1]["bootstrap_room"]
+            assert sent["bootstrap_room"] != failing.json_bodies[-1]["bootstrap_room"]
         else:
             params = sent["kv_transfer_params"]
             assert params["do_remote_prefill"] and params["remote_engine_id"] == "sp0"
@@ -284,7 +284,7 @@ async def test_vllm_prefill_without_a_connector_is_a_failed_prefill(fault_engine
     assert "no kv_transfer_params" in body["error"]["message"]
     assert decode.received == 0
     # What the prefill engine was sent: one token, no stream, NixlConnector's params and the configured extra.
-    (sent,) = plain.bodies
+    (sent,) = plain.json_bodies
     assert (sent["max_tokens"], sent["stream"], "stream_options" in sent) == (1, False, False)
     assert sent["kv_transfer_params"] == {
         "do_remote_decode": True,
