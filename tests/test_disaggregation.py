@@ -310,6 +310,19 @@ async def test_no_healthy_decode_backend_is_a_clear_503(pd_fleet, make_router, h
     assert "decode" in body["error"]["message"]
 
 
+async def test_a_pair_is_of_one_engine_kind(pd_fleet, make_router, http):
+    backends = pd_backends(pd_fleet, "sglang")
+    for backend in backends:
+        if backend["role"] == "decode":
+            backend["engine"] = "vllm"
+    router = await make_router(backends)
+    body = {"model": "sim-model", "prompt": "x", "max_tokens": 2}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        answer = await resp.json()
+    assert resp.status == 503 and "No healthy decode backend" in answer["error"]["message"]
+    assert sum(e.scheduler.received for e in pd_fleet.engines) == 0
+
+
 async def test_a_co_located_fleet_never_takes_the_pair_branch(fleet, make_router, http):
     backends = [{"name": f"e{i}", "url": url} for i, url in enumerate(fleet.urls)]
     router = await make_router(backends)

@@ -111,9 +111,10 @@ class Pairs:
             if remaining <= 0:
                 break
             prefill, prefill_decision = self._choose(PREFILL, policy, view, prefills, matches)
-            decode, decode_decision = self._choose(
-                DECODE, decode_policy, view, [b for b in decodes if b is not prefill], matches
-            )
+            # The handoff is the prefill engine's protocol: its decode engine speaks the same.
+            kind = prefill.config.engine
+            partners = [b for b in decodes if b is not prefill and b.config.engine == kind]
+            decode, decode_decision = self._choose(DECODE, decode_policy, view, partners, matches)
             if number:
                 self.metrics.retries.inc()
             else:
