@@ -319,7 +319,7 @@ async def test_a_pair_is_of_one_engine_kind(pd_fleet, make_router, http):
     body = {"model": "sim-model", "prompt": "x", "max_tokens": 2}
     async with http.post(f"{router.url}/v1/completions", json=body) as resp:
         answer = await resp.json()
-    assert resp.status == 503 and "No healthy decode backend" in answer["error"]["message"]
+    assert resp.status == 503 and "No decode backend speaks the handoff" in answer["error"]["message"]
     assert sum(e.scheduler.received for e in pd_fleet.engines) == 0
 
 

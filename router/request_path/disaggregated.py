@@ -114,6 +114,14 @@ class Pairs:
             # The handoff is the prefill engine's protocol: its decode engine speaks the same.
             kind = prefill.config.engine
             partners = [b for b in decodes if b is not prefill and b.config.engine == kind]
+            if not partners and any(b.config.engine != kind for b in decodes):
+                raise OpenAIError(
+                    503,
+                    f"No decode backend speaks the handoff of prefill backend {prefill.name} ({kind}) "
+                    f"for the model '{view.model}'.",
+                    code="no_healthy_backend",
+                    retry_after=1,
+                )
             decode, decode_decision = self._choose(DECODE, decode_policy, view, partners, matches)
             if number:
                 self.metrics.retries.inc()
