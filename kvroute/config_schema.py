@@ -60,16 +60,17 @@ def config_schema() -> dict[str, Any]:
 
 def chart_values_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     """The chart's ``values_schema`` with the router's config schema inlined where the values
-    hold router settings: ``config`` (without ``listen``, set by the chart),
+    hold router settings: ``config`` (without ``listen`` and ``metrics``, set by the chart),
     ``discovery.kubernetes.settings`` and ``discovery.kubernetes.roles`` (prefill/decode
     disaggregation: one label selector per role, which then stands for the settings' own)."""
     schema = copy.deepcopy(values_schema)
     config = _inlined(_schema_of(ConfigFile))
     config["description"] = (
         "The router's configuration (config.example.yaml, docs/config.schema.json). "
-        "listen is set by the chart."
+        "listen and metrics are set by the chart."
     )
     config["properties"]["listen"] = {"not": {}, "description": "set by the chart from service.targetPort"}
+    config["properties"]["metrics"] = {"not": {}, "description": "set by the chart from service.metricsPort"}
     config["required"] = ["backends"]
     schema["properties"]["config"] = config
     settings = _inlined(_schema_of(KubernetesDiscoveryConfig))

@@ -26,7 +26,7 @@ from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from router.fleet.settings import BackendConfig, DiscoveryConfig, EngineMetricsConfig, HealthConfig
-from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig
+from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig, MetricsConfig
 from router.index.settings import IndexConfig
 from router.request_path.settings import DisaggregationConfig, RoutingConfig, TenancyConfig, UpstreamConfig
 
@@ -60,6 +60,7 @@ class ConfigFile:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
     disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     log_level: LogLevel = "info"
 

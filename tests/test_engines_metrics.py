@@ -116,7 +116,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         assert first["engine_capacity_tokens"] == 400000
         samples = await scrape(http, router.url)
         assert total(samples, "kvroute_backend_engine_running", backend="sg") == 22
-        assert total(samples, "kvroute_backend_kv_usage", backend="sg") == pytest.approx(0.4)
+        assert total(samples, "kvroute_backend_kv_usage_ratio", backend="sg") == pytest.approx(0.4)
 
         # The engine stops answering /metrics: its numbers go stale and are shown as unknown.
         texts["metrics"] = None

@@ -124,15 +124,24 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
             "index": {"block_size": 64},
             "limits": {"max_body_bytes": 1000},
             "routing": {"policy": "least_load"},
+            "metrics": {"listen": {"host": "127.0.0.1", "port": 1}},
+            "upstream": {"tls": {"verify": False}},
         }
     )
     status, payload = await deployment.reload(http, ADMIN)
     assert status == 200
-    assert payload["restart_required"] == ["listen", "index", "limits.max_body_bytes"]
+    assert payload["restart_required"] == [
+        "listen",
+        "index",
+        "metrics",
+        "limits.max_body_bytes",
+        "upstream.tls",
+    ]
     assert payload["changed"] == ["routing"]
     assert await complete(http, deployment.server.url) == (200, "least_load")
     running = deployment.server.app[RUNTIME].config
     assert running.listen.port == 0 and running.index.block_size == 256
+    assert running.metrics.listen is None and running.upstream.tls.verify is True
 
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):

@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import dataclasses
 import itertools
+import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -66,13 +67,13 @@ def _error(error: ApiError) -> web.Response:
     return web.Response(body=error.body(), status=error.status, content_type="application/json")
 
 
-def _http_url(host: str, port: int) -> str:
+def _http_url(host: str, port: int, scheme: str = "http") -> str:
     """The URL clients use for a server bound to ``host:port`` (a wildcard bind means localhost)."""
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class SimEngine:
@@ -164,8 +165,9 @@ class SimEngine:
             **self.scheduler.stats(),
         }
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on ``host:port`` (0 picks a free port) and return the engine's URL."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None) -> str:
+        """Listen on ``host:port`` (0 picks a free port) and return the engine's URL; with ``tls``
+        (a server context) over HTTPS, as an engine behind a TLS-terminating sidecar is reached."""
         if self._runner is not None:
             raise RuntimeError("engine already started")
         runner = web.AppRunner(
@@ -173,13 +175,13 @@ class SimEngine:
         )
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, ssl_context=tls).start()
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
         bound_port = runner.addresses[0][1]
-        self.url = _http_url(host, bound_port)
+        self.url = _http_url(host, bound_port, "https" if tls is not None else "http")
         if self.bootstrap_port is None and self.role == "prefill":
             self.bootstrap_port = bound_port
         if self.kv_events_format is not None:

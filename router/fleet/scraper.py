@@ -55,7 +55,9 @@ class LoadScraper:
         adapter = ADAPTERS[backend.config.engine]
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
-            async with self.session.get(f"{backend.url}/metrics", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{backend.url}/metrics", timeout=timeout, **backend.client_options()
+            ) as resp:
                 resp.raise_for_status()
                 text = await resp.text()
             stats = adapter.parse(text)

@@ -208,3 +208,13 @@ class AdminConfig:
             except OSError as exc:
                 return [f"key_file: cannot read {self.key_file}: {exc.strerror}"]
         return []
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics``: where Prometheus scrapes ``/metrics``."""
+
+    #: ``{host, port}`` to serve ``/metrics`` on its own listener (and not on the main one): the
+    #: metrics then stay off the port clients reach. With ``serve --workers N`` every worker binds
+    #: it (SO_REUSEPORT), and whichever answers reports the whole group (router/http/worker_metrics.py).
+    listen: ListenConfig | None = None

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Mapping
+from typing import Any
 
 import aiohttp
 import zmq
@@ -216,12 +218,20 @@ class KVEventsManager:
         #: Each backend's subscribers once its streams are known, for introspection and tests.
         self.subscribers: dict[str, list[StreamSubscriber]] = {}
 
-    def add_backend(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
-        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names."""
+    def add_backend(
+        self,
+        name: str,
+        url: str,
+        engine: str,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None = None,
+    ) -> None:
+        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names
+        (asked with ``options``, the backend's TLS)."""
         if name in self._tasks:
             return
         self._tasks[name] = asyncio.create_task(
-            self._follow(name, url, engine, endpoint), name=f"kv-events-{name}"
+            self._follow(name, url, engine, endpoint, options), name=f"kv-events-{name}"
         )
 
     def follow(self, pool: BackendPool) -> None:
@@ -232,7 +242,7 @@ class KVEventsManager:
 
     def _added(self, backend: Backend) -> None:
         config = backend.config
-        self.add_backend(backend.name, backend.url, config.engine, config.kv_events)
+        self.add_backend(backend.name, backend.url, config.engine, config.kv_events, backend.client_options())
 
     def _removed(self, backend: Backend) -> None:
         task = asyncio.create_task(self.remove_backend(backend.name))
@@ -252,11 +262,18 @@ class KVEventsManager:
             await asyncio.gather(*self._removals)
         self._ctx.term()
 
-    async def _follow(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
+    async def _follow(
+        self,
+        name: str,
+        url: str,
+        engine: str,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None,
+    ) -> None:
         if endpoint is not None:
             sources = configured_sources(name, endpoint)
         else:
-            sources = await self._discover(name, url, engine)
+            sources = await self._discover(name, url, engine, options)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
         subscribers = [
             StreamSubscriber(source, self.index, self.metrics, self._ctx, self.settings.replay_timeout_s)
@@ -265,11 +282,13 @@ class KVEventsManager:
         self.subscribers[name] = subscribers
         await asyncio.gather(*(s.run() for s in subscribers))
 
-    async def _discover(self, name: str, url: str, engine: str) -> list[EventSource]:
+    async def _discover(
+        self, name: str, url: str, engine: str, options: Mapping[str, Any] | None
+    ) -> list[EventSource]:
         interval = self.settings.discovery_interval_s
         while True:
             try:
-                return await discover_sources(self._session, name, url, engine, timeout_s=interval)
+                return await discover_sources(self._session, name, url, engine, interval, options)
             except DiscoveryError as exc:
                 self.metrics.errors.labels(name, "discovery").inc()
                 log.warning("KV events of %s not found (%s); retrying in %.0f s", name, exc, interval)

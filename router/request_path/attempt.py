@@ -117,6 +117,7 @@ class Attempt:
         "first_byte_timeout",
         "headers",
         "tap",
+        "tls",
         "upstream_key",
         "url",
     )
@@ -163,6 +164,7 @@ class Attempt:
         self._cached: int | None = None
         self.backend = backend
         self.url = backend.url
+        self.tls = backend.tls
         self.upstream_key = backend.config.upstream_api_key
         self.first_byte_timeout = first_byte_timeout
         # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
@@ -218,7 +220,9 @@ class Attempt:
         self._release_prefill()
         self._ttft = at - self._sent
         if self._client_facing:
-            self._books.metrics.ttft_by(self._routable.endpoint).observe(at - self._started)
+            self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(
+                at - self._started
+            )
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
@@ -277,7 +281,7 @@ class Attempt:
         label = self._label or CLIENT_CLOSED
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
         if self._client_facing:
-            metrics.latency_by(routable.endpoint).observe(time.perf_counter() - self._started)
+            metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:
             self._index.finished(backend.name, self._chain)
         if self._learner is not None:
