@@ -126,7 +126,7 @@ class Pairs:
             if number:
                 self.metrics.retries.inc()
             else:
-                self.metrics.decision_time.observe(time.perf_counter() - started)
+                self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - started)
             timeout = min(upstream.first_byte_timeout_s, remaining)
             pair = _Pair(self, request, routable, view, started, timeout, config)
             try:
