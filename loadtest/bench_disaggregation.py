@@ -41,9 +41,9 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_routing import TRACE, _consecutive_free_ports, _kvroute_bin, _ready
+from loadtest.bench_routing import TRACE, _consecutive_free_ports, _kvroute_bin, start_serving
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import Contender, free_port, wait_listening
+from loadtest.contenders import Contender, free_port
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import prompt_messages, read_trace
@@ -221,13 +221,7 @@ def run(name: str, setup: Setup, jobs: Sequence[Job], workdir: Path) -> Row:
     if router.missing:
         return Row(name, [], jobs, 0.0, [], roles, missing=router.missing)
     try:
-        engines.start(workdir)
-        for i in range(setup.engines):
-            wait_listening(engines.port + i, 30.0, engines.process)
-        router.start(workdir)
-        wait_listening(router.port, 60.0, router.process)
-        url = f"http://127.0.0.1:{router.port}"
-        asyncio.run(_ready(url, 60.0))
+        url = start_serving(engines, setup.engines, router, workdir)
         before = asyncio.run(_stats(urls))
         started = time.perf_counter()
         results = asyncio.run(_replay(url, jobs, setup.timeout_s))
