@@ -241,6 +241,23 @@ def run(name: str, setup: Setup, jobs: Sequence[Job], workdir: Path) -> Row:
         engines.stop()
 
 
+def pooled(rows: Sequence[Row]) -> Row:
+    """One contender's rounds as one run: every request's result, every engine's counters summed."""
+    failed = [r for r in rows if r.missing]
+    if failed:
+        return failed[0]
+    engines = range(len(rows[0].stats))
+    stats = [{key: sum(r.stats[i][key] for r in rows) for key in rows[0].stats[i]} for i in engines]
+    return Row(
+        rows[0].name,
+        [result for r in rows for result in r.results],
+        [job for r in rows for job in r.jobs],
+        sum(r.wall_s for r in rows),
+        stats,
+        rows[0].roles,
+    )
+
+
 @dataclass(frozen=True)
 class Figures:
     ok: int
@@ -355,6 +372,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--think-s", type=float, default=2.0, help="chat: mean seconds between turns")
     parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine (default 1M)")
     parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated (default: all)")
+    parser.add_argument(
+        "--rounds", type=int, default=1, help="runs of every contender, in rotating order, pooled (default 1)"
+    )
     args = parser.parse_args(argv)
     try:
         prefill, decode = (int(n) for n in args.pd.split(","))
@@ -362,7 +382,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("--pd: expected two counts, e.g. 4,4")
     contenders = [c for c in args.contenders.split(",") if c]
     unknown = [c for c in contenders if c not in CONTENDERS]
-    if unknown or prefill < 1 or decode < 1:
+    if unknown or prefill < 1 or decode < 1 or args.rounds < 1:
         parser.error(f"unknown contender {unknown[0]!r}" if unknown else "--pd: at least one engine of each")
     setup = Setup(prefill, decode, args.capacity)
     if args.workload == "trace":
@@ -376,12 +396,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         f"(co-located: {setup.engines}) x {args.capacity:,} KV tokens, fresh for each contender\n",
         flush=True,
     )
-    rows = []
+    runs: dict[str, list[Row]] = {name: [] for name in contenders}
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-pd-") as tmp:
-        for name in contenders:
-            row = run(name, setup, jobs, Path(tmp))
-            print(f"  {row.name}: {'not run' if row.missing else f'{row.wall_s:.0f} s'}", flush=True)
-            rows.append(row)
+        for number in range(args.rounds):
+            # Each round starts one contender later, so a slow spell of a shared machine does not
+            # always fall on the same contender.
+            for name in contenders[number % len(contenders) :] + contenders[: number % len(contenders)]:
+                row = run(name, setup, jobs, Path(tmp))
+                done = "not run" if row.missing else f"{row.wall_s:.0f} s"
+                print(f"  round {number + 1}/{args.rounds} {row.name}: {done}", flush=True)
+                runs[name].append(row)
+    rows = [pooled(runs[name]) for name in contenders]
     print()
     print_report(rows)
     return 0 if all(not r.missing and figures(r).failed == 0 for r in rows) else 1

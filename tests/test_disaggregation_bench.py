@@ -7,7 +7,7 @@ import json
 from pathlib import Path
 
 from kvroute.cli import main as kvroute_main
-from loadtest.bench_disaggregation import Job, Row, chat_jobs, figures, trace_jobs
+from loadtest.bench_disaggregation import Job, Row, chat_jobs, figures, pooled, trace_jobs
 from loadtest.client import Result
 
 
@@ -52,3 +52,28 @@ def test_a_small_live_run_through_the_command(capsys):
     out = capsys.readouterr().out
     (row,) = [line.split() for line in out.splitlines() if line.startswith("pd_cost ")]
     assert int(row[1]) > 0 and row[2] == "0"  # requests served, none failed
+
+
+def test_rounds_pool_into_one_row():
+    job = Job(0.0, [], 3, "t")
+    one = Row(
+        "x",
+        [Result(True, 200, 0.1, 0.3)],
+        [job],
+        2.0,
+        [{"prompt_tokens": 10, "cached_tokens": 0, "received": 1}],
+        ["both"],
+    )
+    two = Row(
+        "x",
+        [Result(True, 200, 0.3, 0.5)],
+        [job],
+        3.0,
+        [{"prompt_tokens": 10, "cached_tokens": 10, "received": 1}],
+        ["both"],
+    )
+    row = pooled([one, two])
+    assert (len(row.results), len(row.jobs), row.wall_s) == (2, 2, 5.0)
+    assert row.stats == [{"prompt_tokens": 20, "cached_tokens": 10, "received": 2}]
+    assert figures(row).hit_ratio == 0.5
+    assert pooled([one, Row("x", [], [], 0.0, [], ["both"], missing="no sglang")]).missing == "no sglang"
