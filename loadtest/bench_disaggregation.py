@@ -41,12 +41,12 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_routing import TRACE, _consecutive_free_ports, _kvroute_bin, start_serving
+from loadtest.bench_routing import _consecutive_free_ports, _kvroute_bin, start_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
-from loadtest.trace import prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, prompt_messages, read_trace
 from loadtest.workload import chat_workload
 
 MODEL = "sim-model"
@@ -357,13 +357,11 @@ def print_report(rows: Sequence[Row]) -> None:
         print(format_table(["vs sglang_pd", "hit ratio", "TTFT mean", "ITL mean", "e2e p50"], ratios))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(
-        prog="kvroute bench routing --pd P,D", description=__doc__.split("\n")[0]
-    )
+def main(argv: Sequence[str] | None = None, prog: str = "kvroute bench routing") -> int:
+    parser = argparse.ArgumentParser(prog=f"{prog} --pd P,D", description=__doc__.split("\n")[0])
     parser.add_argument("--pd", required=True, help="prefill and decode engines, e.g. 4,4")
     parser.add_argument("--workload", choices=("trace", "chat"), default="trace")
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
     parser.add_argument("--minutes", type=float, default=3.0, help="trace minutes to replay (default 3)")
     parser.add_argument("--speedup", type=float, default=10.0, help="trace time compression (default 10)")
     parser.add_argument("--max-output-tokens", type=int, default=64, help="cap on trace outputs (default 64)")

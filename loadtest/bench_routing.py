@@ -38,14 +38,14 @@ from pathlib import Path
 import aiohttp
 
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang, wait_listening
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
-from loadtest.trace import TraceRequest, prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
 
 MODEL = "sim-model"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 #: kvroute contenders: (policy, routing params, closed-loop beliefs).
 KVROUTE = {
     "round_robin": ("round_robin", {}, False),
@@ -131,6 +131,7 @@ def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Con
     block_tokens = 64  # index.block_size 256 characters at 4 characters per token
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
+        ADMIN_ON_ANY_PORT,
         "log_level: warning",
         f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1}}",
         f"index: {{closed_loop: {'true' if closed_loop else 'false'}}}",
@@ -336,15 +337,20 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
         print(format_table(heads, predicted))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.bench_routing") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_routing", description=__doc__.split("\n")[0]
+        prog=prog, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=TRACE)
-    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")
-    parser.add_argument("--speedup", type=float, default=10.0, help="time compression (default 10)")
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format trace, JSONL or .jsonl.gz (the default is the one kvroute ships)",
+    )
+    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay")
+    parser.add_argument("--speedup", type=float, default=10.0, help="time compression")
     parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine (default 1M)")
+    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine")
     parser.add_argument(
         "--belief-capacity", type=int, help="kvroute's believed tokens per engine (default: true)"
     )

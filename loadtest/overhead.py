@@ -14,6 +14,8 @@ small SSE chunks) and measures, one contender at a time:
 - ``floor``: aiohttp's server and kvroute's upstream client passing requests through with no
   routing at all (:mod:`loadtest.floor_proxy`): the cost of the stack kvroute is built on,
   below which nothing inside kvroute's request path can go;
+- ``kvroute access-log``, with ``--access-log``: kvroute with ``logging.access_log`` on, one
+  line per request written to its log file;
 - ``kvroute baseline``, with ``--baseline DIR``: the kvroute of another source tree (e.g.
   ``git worktree add /tmp/before HEAD~3``), so a change is measured against its parent in
   the same invocation, on the same noisy machine.
@@ -53,6 +55,7 @@ from pathlib import Path
 import orjson
 
 from loadtest import contenders as procs
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.httpload import Client, Sample, Throughput, build_request
 from loadtest.null_backend import MODEL, STREAM_CHUNKS
 from loadtest.redis_server import RedisServer
@@ -302,6 +305,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     if args.baseline:
         baseline = Path(args.baseline)
         contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, checkout=baseline))
+    if args.access_log:
+        contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, access_log=True))
     redis: RedisServer | None = None
     if args.workers > 1:
         missing = _workers_missing()
@@ -387,14 +392,14 @@ async def _wait_routable(port: int, timeout: float = 30.0) -> None:
         client.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.overhead", description="Router overhead against null backends."
+        prog=prog,
+        formatter_class=DefaultsHelpFormatter,
+        description="Router overhead against null backends.",
     )
-    parser.add_argument(
-        "--rate", type=float, default=200.0, help="requests/s of the latency runs (default 200)"
-    )
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each latency run (default 5)")
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the latency runs")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each latency run")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight when saturating")
     parser.add_argument(
         "--saturation-seconds", type=float, default=3.0, help="duration of each saturation run"
@@ -402,14 +407,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds over all contenders: latency pooled, saturation best of"
     )
-    parser.add_argument("--backends", type=int, default=2, help="null backends behind each proxy (default 2)")
-    parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy (default 1)")
+    parser.add_argument("--backends", type=int, default=2, help="null backends behind each proxy")
+    parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy")
     parser.add_argument("--harness-cpu", default="0", help="CPU list for the load generator and backends")
     parser.add_argument(
         "--workers", type=int, default=0, help="also run kvroute serve --workers N (N > 1; Redis index)"
     )
     parser.add_argument(
         "--baseline", default="", help="another kvroute source tree, measured as 'kvroute baseline'"
+    )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="also run kvroute with its access log on ('kvroute access-log')",
     )
     parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,floor,nginx,sglang")
     parser.add_argument(
@@ -419,8 +429,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead") -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.harness_cpu and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.harness_cpu.split(",")})
     if args.profile:

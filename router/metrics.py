@@ -180,6 +180,12 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.engine_mismatch = Gauge(
+            "kvroute_backend_engine_mismatch",
+            "1 while the backend's /metrics answers but holds none of the metrics of its engine: kind",
+            ["backend"],
+            registry=r,
+        )
         self.circuit_state = Gauge(
             "kvroute_backend_circuit_state",
             "Passive ejection per backend: 1 for the backend's state (closed: in rotation, half_open: "
@@ -205,6 +211,27 @@ class RouterMetrics:
             ["side"],
             registry=r,
         )
+        # Client connections, per listener (main, admin): router/http/connections.py.
+        self.client_connections = Gauge(
+            "kvroute_client_connections",
+            "Open client connections, by listener",
+            ["listener"],
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "kvroute_client_timeouts",
+            "Client connections closed because a request's head or body did not arrive in time "
+            "(listen.header_timeout_s, listen.body_timeout_s), by listener and phase",
+            ["listener", "phase"],
+            registry=r,
+        )
+        self.client_refused = Counter(
+            "kvroute_client_connections_refused",
+            "New client connections closed at once: the listener's max_connections or "
+            "max_connections_per_client was reached (the reason)",
+            ["listener", "reason"],
+            registry=r,
+        )
         # The request path's per-request metrics, through memoised children (see Children).
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)
@@ -223,6 +250,7 @@ class RouterMetrics:
             self.engine_kv_usage,
             self.circuit_state,
             self.draining,
+            self.engine_mismatch,
             self.index_capacity,
         )
 

@@ -2,7 +2,7 @@
 
 Functional checks only (the benchmark's numbers are never asserted): responses are parsed
 right however they are split, streams are counted, connections are reused, the contenders'
-configs are what the README says, and one tiny run of the command ends with its tables.
+configs are what docs/benchmarks say, and one tiny run of the command ends with its tables.
 """
 
 from __future__ import annotations
@@ -104,6 +104,15 @@ def test_contender_configs(tmp_path):
             assert directive in conf
         assert "server 127.0.0.1:9001;" in conf and "server 127.0.0.1:9002;" in conf
     assert procs.pinned(["x"], None) == ["x"]
+
+
+def test_the_access_log_contender_logs_each_request(tmp_path):
+    logged = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None, access_log=True)
+    assert logged.name == "kvroute access-log"
+    config = load_config(logged.command[logged.command.index("--config") + 1])
+    assert config.logging.access_log and config.log_level == "info"
+    plain = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None)
+    assert not load_config(plain.command[plain.command.index("--config") + 1]).logging.access_log
 
 
 def test_profile_summary_merges_lines_of_a_function():

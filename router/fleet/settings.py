@@ -108,8 +108,11 @@ def client_context(tls: BackendTLSConfig) -> ssl.SSLContext:
 class BackendConfig:
     """One entry of ``backends``: an engine the router sends requests to."""
 
+    #: Unique; names the backend in metrics, logs and the ``x-kvroute-backend`` response header.
     name: NonEmptyStr
+    #: Base URL of its OpenAI-compatible server, ``http://`` or ``https://``.
     url: HttpUrl
+    #: The engine it runs: which ``/metrics`` names and KV event format it speaks.
     engine: EngineKind = "vllm"
     #: Models served; when absent they are read from the backend's ``/v1/models``.
     models: list[NonEmptyStr] | None = None
@@ -124,6 +127,7 @@ class BackendConfig:
     #: in place of the client's; given inline or as the name of an environment variable. Never
     #: shown by the admin API, never logged (``repr=False``), never returned to clients.
     api_key: str | None = field(default=None, repr=False)
+    #: ... or the name of the environment variable holding it (at most one of the two).
     api_key_env: str | None = None
     #: TLS to this engine (an ``https://`` URL); absent: ``upstream.tls``.
     tls: BackendTLSConfig | None = None
@@ -277,6 +281,7 @@ class DiscoveryConfig:
     chosen one needs (a name to resolve, a label selector) is required only for it.
     """
 
+    #: Where backends come from: ``static`` (the ``backends`` list), ``dns`` or ``kubernetes``.
     kind: Literal["static", "dns", "kubernetes"] = "static"
     dns: DnsDiscoveryConfig = field(default_factory=DnsDiscoveryConfig)
     kubernetes: KubernetesDiscoveryConfig = field(default_factory=KubernetesDiscoveryConfig)

@@ -31,11 +31,12 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from router.config import Config, ConfigError, ConfigFile, load_config
+from router.config import Config, ConfigError, ConfigFile, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.http.auth import AdminKey, KeyStore
 from router.http.ratelimit import RateLimiter
+from router.http.tls import CertificateStore
 
 if TYPE_CHECKING:
     from router.request_path.dispatch import Dispatcher
@@ -43,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.reload")
 
 #: Sections a running router cannot change (see the module docstring).
-RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics")
+RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics", "tracing")
 #: ``limits`` keys fixed in the HTTP server at start.
 RESTART_LIMITS = ("max_body_bytes", "max_line_size", "max_field_size", "max_headers")
 
@@ -66,12 +67,19 @@ class Runtime:
     """
 
     def __init__(
-        self, config: Config, pool: BackendPool, registry: CollectorRegistry, path: str | None = None
+        self,
+        config: Config,
+        pool: BackendPool,
+        registry: CollectorRegistry,
+        source: str | ConfigSource | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
-        #: The file to re-read on reload (None: started from a dict; reload is refused).
-        self.path = path
+        #: What a reload reads again: the file, with the command line's settings on top (None:
+        #: started from a dict; reload is refused).
+        self.source = ConfigSource(source) if isinstance(source, str) else source
+        #: The file a reload re-reads (None: no file; reload is refused).
+        self.path = self.source.path if self.source is not None else None
         self.keys = KeyStore(config.auth, config.tenancy)
         self.admin_key = AdminKey(config.admin.admin_key())
         self.limiter = RateLimiter(config.limits.tenant_default, config.limits.tenant_limits(), registry)
@@ -81,23 +89,34 @@ class Runtime:
         #: Set by ``kvroute serve --workers N`` (router/http/processes.py): after ``POST /admin/reload``
         #: applied here, asks the supervisor to have every other worker reload too.
         self.reload_peers: Callable[[], None] | None = None
+        #: The HTTPS listeners' certificates, re-read on every reload (set by router/http/server.py).
+        self.certificates: list[CertificateStore] = []
 
     def reload_file(self) -> dict[str, object]:
         """Re-read ``path`` and apply it; ConfigError (nothing changed) when it is invalid."""
-        if self.path is None:
+        if self.source is None or self.source.path is None:
             raise ConfigError("the router was not started from a config file; nothing to reload")
         try:
-            new = load_config(self.path)
+            new = self.source.load()
         except ConfigError as exc:
             self.reloads.labels("refused").inc()
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)
             raise
+        try:
+            certificates = [(store, store.load()) for store in self.certificates]
+        except ValueError as exc:
+            self.reloads.labels("refused").inc()
+            log.error("config reload refused, keeping the running config: %s", exc)
+            raise ConfigError(str(exc)) from None
         try:
             outcome = self.apply(new)
         except (ValueError, OSError) as exc:  # a key file that changed or vanished since validation
             self.reloads.labels("refused").inc()
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)
             raise ConfigError(str(exc)) from None
+        for store, context in certificates:
+            store.use(context)
+        outcome["certificates_reloaded"] = [store.listener for store, _ in certificates]
         self.reloads.labels("applied").inc()
         log.info(
             "config reloaded from %s: changed %s%s",
@@ -113,12 +132,17 @@ class Runtime:
         """Switch to ``new`` (already validated); everything that can fail is built before any swap."""
         old = self.config
         running = self._keep_restart_only(old, new)
+        exposed = running.admin.exposure_refused()
+        if exposed:
+            raise ValueError(f"admin.{exposed[0]} (admin.listen changes only at a restart)")
         restart = [s for s in RESTART_SECTIONS if getattr(old, s) != getattr(new, s)]
         restart += [f"limits.{k}" for k in RESTART_LIMITS if getattr(old.limits, k) != getattr(new.limits, k)]
         if old.admin.listen != new.admin.listen:
             restart.append("admin.listen")
         if old.upstream.tls != new.upstream.tls:
             restart.append("upstream.tls")
+        if old.logging.format != new.logging.format:
+            restart.append("logging.format")
         backends_live = old.discovery.kind == "static"
         if not backends_live and old.backends != new.backends:
             restart.append("backends")
@@ -155,10 +179,11 @@ class Runtime:
         admin = dataclasses.replace(new.admin, listen=old.admin.listen)
         # The pool's default TLS is that of the backends it built (router/fleet/backends.py).
         upstream = dataclasses.replace(new.upstream, tls=old.upstream.tls)
+        logs = dataclasses.replace(new.logging, format=old.logging.format)
         kept = {s: getattr(old, s) for s in RESTART_SECTIONS}
         if old.discovery.kind != "static":
             kept["backends"] = old.backends
-        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, **kept)
+        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, logging=logs, **kept)
 
     def _sync_backends(self, config: Config) -> None:
         """Make the pool match ``backends``; a replaced backend keeps its health if its URL stayed."""
@@ -175,6 +200,7 @@ class Runtime:
                 backend.healthy = previous.healthy
                 if backend.discovers_models:
                     backend.models = previous.models
+                    backend.model_cards = previous.model_cards
 
 
 def reload_routes(runtime: Runtime) -> list[web.RouteDef]:

@@ -48,6 +48,7 @@ from router.errors import OpenAIError
 from router.fleet.backends import Backend
 from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks, PairSide
+from router.request_path.context import REQUEST_ID_HEADER, RequestContext
 from router.request_path.handoff import Handoff, SGLangHandoff, VllmHandoff, transfer_params
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
@@ -89,7 +90,7 @@ class Pairs:
         view: RequestView,
         candidates: list[Backend],
         matches: dict[str, int],
-        started: float,
+        context: RequestContext,
         config: Config,
         policy: RoutingPolicy,
         decode_policy: RoutingPolicy,
@@ -98,6 +99,7 @@ class Pairs:
         prefills = [b for b in candidates if b.role != DECODE]
         decodes = [b for b in candidates if b.role != PREFILL]
         upstream = config.upstream
+        started = context.started
         deadline = started + upstream.retry_deadline_s
         failures: list[str] = []
         for number in range(upstream.max_attempts):
@@ -128,7 +130,7 @@ class Pairs:
             else:
                 self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - started)
             timeout = min(upstream.first_byte_timeout_s, remaining)
-            pair = _Pair(self, request, routable, view, started, timeout, config)
+            pair = _Pair(self, request, routable, view, context, timeout, config)
             try:
                 return await pair.run(prefill, prefill_decision, decode, decode_decision)
             except PairFailed as exc:
@@ -196,7 +198,7 @@ class _Pair:
         request: web.Request,
         routable: RoutableRequest,
         view: RequestView,
-        started: float,
+        context: RequestContext,
         timeout: float,
         config: Config,
     ) -> None:
@@ -205,11 +207,12 @@ class _Pair:
         self.request = request
         self.routable = routable
         self.view = view
-        self.started = started
+        self.context = context
         self.timeout = timeout
         self.config = config
-        #: The pair's x-kvroute-* response headers (set by ``run``).
+        #: The pair's x-kvroute-* response headers, and what the access log says of it (``run``).
         self.headers: dict[str, str] = {}
+        self.story: tuple[str, str, int] = ("", "", 0)
 
     async def run(
         self, prefill: Backend, prefill_decision: Decision, decode: Backend, decode_decision: Decision
@@ -224,15 +227,19 @@ class _Pair:
             prefill_decision.matched_blocks,
             len(self.view.chain),
         )
+        matched_tokens = prefill_decision.matched_blocks * self.view.block_tokens
         self.headers = {
             "x-kvroute-backend": decode.name,
             "x-kvroute-reason": prefill_decision.reason,
-            "x-kvroute-matched-tokens": str(prefill_decision.matched_blocks * self.view.block_tokens),
+            "x-kvroute-matched-tokens": str(matched_tokens),
             "x-kvroute-prefill-backend": prefill.name,
             "x-kvroute-prefill-reason": prefill_decision.reason,
             "x-kvroute-decode-backend": decode.name,
             "x-kvroute-decode-reason": decode_decision.reason,
+            REQUEST_ID_HEADER: self.context.id,
         }
+        self.story = (decode.name, prefill_decision.reason, matched_tokens)
+        self.context.pair = (prefill.name, prefill_decision.reason, decode.name, decode_decision.reason)
         document = self.routable.document
         if prefill.config.engine == "sglang":
             handoff: Handoff = SGLangHandoff(document, prefill)
@@ -241,9 +248,8 @@ class _Pair:
         return await self._sequential(handoff, prefill, prefill_decision, decode, decode_decision)
 
     def _attempt(self, backend: Backend, decision: Decision, side: PairSide) -> Attempt:
-        return Attempt(
-            self.pairs.books, self.routable, self.view, backend, decision, self.started, self.timeout, side
-        )
+        books, context = self.pairs.books, self.context
+        return Attempt(books, self.routable, self.view, backend, decision, context, self.timeout, side=side)
 
     def _decode_side(self, body: bytes) -> PairSide:
         return PairSide(body, prefill=False, follows_chain=self.config.disaggregation.decode_caches_prefixes)
@@ -319,8 +325,11 @@ class _Pair:
 
     def _merge_usage(self, decode: Attempt, prefill_answer: bytes) -> None:
         """The client's answer comes from the decode engine, with this pair's headers and the
-        prefill engine's cached tokens in its usage."""
+        prefill engine's cached tokens in its usage; the access log tells the pair's story (each
+        attempt wrote its own backend there)."""
         decode.headers = self.headers
+        context = self.context
+        context.backend, context.reason, context.matched_tokens = self.story
         cached = cached_tokens(_json(prefill_answer).get("usage"))
         if cached is not None:
             decode.tap = PrefillUsage(cached)
