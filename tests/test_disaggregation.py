@@ -7,6 +7,7 @@ engines on the other; every path ends with every ledger of both sides given back
 
 from __future__ import annotations
 
+import logging
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -443,3 +444,17 @@ async def test_a_learning_routing_policy_hears_the_prefill_side_it_chose(pd_flee
     # The prefill side's report, not the decode engine's: the second prompt was cached on p0.
     assert outcomes[0].cached_tokens == pd_fleet.engines[0].records[0].cached_tokens
     assert outcomes[1].cached_tokens == pd_fleet.engines[0].records[1].cached_tokens > 0
+
+
+async def test_the_access_log_names_both_engines_of_the_pair(pd_fleet, make_router, caplog):
+    router = await make_router(pd_backends(pd_fleet, "sglang"), logging={"access_log": True})
+    with caplog.at_level(logging.INFO, logger="kvroute.access"):
+        raw = await client(router).chat.completions.with_raw_response.create(
+            model="sim-model", messages=messages("log me"), max_tokens=2
+        )
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvroute.access"]
+    prefill, decode = raw.headers["x-kvroute-prefill-backend"], raw.headers["x-kvroute-decode-backend"]
+    assert f"backend={decode} " in line
+    assert f"prefill_backend={prefill} prefill_reason={raw.headers['x-kvroute-prefill-reason']} " in line
+    assert line.endswith(f"decode_backend={decode} decode_reason=decode_balance")
+    assert "cached_tokens=0 " in line  # the prefill side's report (a first prompt: nothing cached)
