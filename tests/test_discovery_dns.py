@@ -130,7 +130,7 @@ async def test_one_name_per_role_makes_a_prefill_decode_fleet(dns_server, make_r
             ],
         }
         router = await make_router([], discovery=discovery)
-        async with http.get(f"{router.url}/admin/backends") as resp:
+        async with http.get(f"{router.admin_url}/admin/backends") as resp:
             roles = {b["name"]: b["role"] for b in (await resp.json())["backends"]}
         assert roles == {f"127.0.0.2:{port}": "prefill", f"127.0.0.3:{port}": "decode"}
         body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
