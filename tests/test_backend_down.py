@@ -16,6 +16,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from tests.fault_engine import MODEL, FaultEngine, backends
@@ -71,14 +72,16 @@ async def test_a_request_waiting_for_its_first_byte_moves_to_another_backend(
 
 
 class StoppingEngine(FaultEngine):
-    """Answers as vLLM 0.32 does to a request that arrives while it shuts down."""
+    """Answers as vLLM 0.32 does to a request that arrives while it shuts down (``message``)."""
+
+    message = "cannot schedule new futures after shutdown"
 
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.received += 1
         error = {
             "error": {
-                "message": "cannot schedule new futures after shutdown",
+                "message": self.message,
                 "type": "InternalServerError",
                 "param": None,
                 "code": 500,
@@ -87,8 +90,18 @@ class StoppingEngine(FaultEngine):
         return web.json_response(error, status=500)
 
 
-async def test_the_500_of_an_engine_shutting_down_is_retried_elsewhere(fault_engines, make_router, http):
+@pytest.mark.parametrize(
+    "message",
+    [
+        "cannot schedule new futures after shutdown",
+        "EngineCore encountered an issue. See stack trace (above) for the root cause.",
+    ],
+)
+async def test_the_500_of_an_engine_shutting_down_is_retried_elsewhere(
+    fault_engines, make_router, http, message
+):
     stopping = StoppingEngine("f0")
+    stopping.message = message
     await stopping.start()
     (f1,) = await fault_engines("ok")
     f1.name = "f1"

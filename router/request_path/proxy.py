@@ -13,8 +13,8 @@ may well serve the request), or when the first byte does not come within the att
 first-byte timeout. Every other status passes through to the client unchanged: a 4xx is
 the client's request at fault and would fail the same anywhere; a 500 may be caused by the
 request itself and is not replayed on the rest of the fleet. One 500 is recognised as the
-engine's, not the request's: vLLM's answer to a request that arrives while it shuts down
-(``SHUTTING_DOWN_MARKERS``), which another replica serves.
+engine's, not the request's: vLLM's answer to a request that arrives while it shuts down or
+after its engine core died (``SHUTTING_DOWN_MARKERS``), which another replica serves.
 
 The proxy keeps no books: it reports each step to the request's attempt
 (router/request_path/attempt.py), which holds the counters, the circuit and the beliefs.
@@ -102,10 +102,15 @@ def failure_kind(exc: BaseException) -> str:
 #: Statuses that mean "this replica cannot serve now", not "this request is wrong".
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
-#: What a 500's body says when the engine is stopping, not failing on the request: vLLM (0.32)
-#: answers a request that arrives during its shutdown with Python's ``RuntimeError("cannot
-#: schedule new futures after shutdown")``. Narrow on purpose: any other 500 passes through.
-SHUTTING_DOWN_MARKERS = (b"cannot schedule new futures after shutdown",)
+#: What a 500's body says when the engine is stopping or stopped, not failing on the request.
+#: vLLM (0.32) answers a request that arrives during its shutdown with Python's
+#: ``RuntimeError("cannot schedule new futures after shutdown")``, and one that reaches its API
+#: server after its engine core died with ``EngineDeadError`` ("EngineCore encountered an
+#: issue..."). Narrow on purpose: any other 500 passes through.
+SHUTTING_DOWN_MARKERS = (
+    b"cannot schedule new futures after shutdown",
+    b"EngineCore encountered an issue. See stack trace (above) for the root cause.",
+)
 
 
 def _copy_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
