@@ -66,7 +66,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     policies = [p for p in args.policy.split(",") if p]
     return run_command(
-        args.trace,
+        args.trace or args.workload,
         policies,
         model,
         params=args.params,
@@ -136,7 +136,13 @@ def build_parser() -> argparse.ArgumentParser:
     simulate = commands.add_parser(
         "simulate", help="replay a Mooncake trace through routing policies on a model fleet, in virtual time"
     )
-    simulate.add_argument("--trace", required=True, help="Mooncake-format JSONL trace")
+    source = simulate.add_mutually_exclusive_group(required=True)
+    source.add_argument("--trace", help="Mooncake-format JSONL trace")
+    source.add_argument(
+        "--workload",
+        choices=("chat", "agent", "no_reuse"),
+        help="a generated workload instead of a trace (seeded by --seed; see loadtest/workloads.py)",
+    )
     simulate.add_argument(
         "--policy", required=True, help="routing policy, or several separated by commas, each a table row"
     )
@@ -154,7 +160,7 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("--minutes", type=float, help="replay only the trace's first minutes")
     simulate.add_argument("--limit", type=int, help="replay only the trace's first requests")
     simulate.add_argument("--sweep", help="key=v1,v2,...: one row per value of a policy or fleet parameter")
-    simulate.add_argument("--seed", type=int, default=0)
+    simulate.add_argument("--seed", type=int, default=0, help="seeds the policy and a generated workload")
     simulate.set_defaults(func=_simulate)
 
     demo = commands.add_parser(

@@ -34,6 +34,8 @@ class Backend:
         #: Uncached prompt tokens of this router's requests there without a first byte
         #: (router/request_path/attempt.py).
         self.pending_prefill_tokens = 0
+        #: This router's requests there without a first byte (the owners of those tokens).
+        self.pending_prefill_requests = 0
         #: Passive ejection from what real requests get (router/fleet/circuit.py).
         self.circuit = CircuitBreaker(health.eject_after, health.eject_s, health.max_eject_s)
         #: Taken out of rotation by an operator (config ``drain: true`` or the admin API).
@@ -107,6 +109,7 @@ class Backend:
             kv_usage=engine.kv_usage if engine else None,
             cached_blocks=cached_blocks,
             pending_prefill_tokens=self.pending_prefill_tokens,
+            pending_prefill_requests=self.pending_prefill_requests,
         )
 
 

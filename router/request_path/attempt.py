@@ -158,7 +158,9 @@ class Attempt:
         backend.in_flight += 1
         self._trial = backend.circuit.begin()
         self._prefill = max(0, view.prompt_tokens - matched_tokens)
+        self._prefilling = True
         backend.pending_prefill_tokens += self._prefill
+        backend.pending_prefill_requests += 1
 
     def __enter__(self) -> Attempt:
         return self
@@ -224,8 +226,10 @@ class Attempt:
         self.backend.circuit.record_failure()
 
     def _release_prefill(self) -> None:
-        self.backend.pending_prefill_tokens -= self._prefill
-        self._prefill = 0
+        if self._prefilling:
+            self.backend.pending_prefill_tokens -= self._prefill
+            self.backend.pending_prefill_requests -= 1
+            self._prefill, self._prefilling = 0, False
 
     def _end(self) -> None:
         """Give every ledger back, once, after the verdict above was booked."""
