@@ -387,7 +387,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         seed=args.seed,
     )
     requests = load_requests(bench)
-    source = bench.trace.name if bench.workload == "mooncake" else f"workload {bench.workload} (seed {bench.seed})"
+    generated = f"workload {bench.workload} (seed {bench.seed})"
+    source = bench.trace.name if bench.workload == "mooncake" else generated
     print(
         f"{len(requests)} requests: the first {bench.minutes:g} min of {source}"
         f"{' (no reuse)' if bench.no_reuse else ''}, {bench.speedup:g}x compressed, streamed; "

@@ -85,6 +85,7 @@ class Attempt:
         "_learner",
         "_matched_tokens",
         "_prefill",
+        "_prefilling",
         "_routable",
         "_sent",
         "_started",
