@@ -92,7 +92,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
                 assert resp.status == 200
                 assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
                     backend,
-                    "prefix_hit",
+                    "latency_hit",
                 )
 
             # SIGHUP reaches every worker: each re-reads the file (here refusing a broken one).

@@ -52,7 +52,7 @@ async def test_a_prefix_routed_by_one_replica_is_found_by_another(redis_server, 
     second = await chat(http, two.url, "turn two")
     assert second.status == 200
     assert second.headers["x-kvroute-backend"] == backend
-    assert second.headers["x-kvroute-reason"] == "prefix_hit"
+    assert second.headers["x-kvroute-reason"] == "latency_hit"
     samples = await scrape(http, two.url)
     assert total(samples, "kvroute_matched_tokens_total") > 0
     assert total(samples, "kvroute_redis_fallbacks_total") == 0
@@ -165,3 +165,26 @@ async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view()
         assert (pool_two["e0"].remote_in_flight, pool_two["e1"].remote_in_flight) == (2, 0)
         for link in links:
             await link.close()
+
+
+async def test_a_replica_publishes_a_new_prefix_at_the_pick_before_its_prefill_ends(
+    redis_server, make_router, http
+):
+    """A burst sharing a new prefix that lands on two replicas during its prefill follows the
+    first pick: the other replica learns where it went before the engine's first byte."""
+    slow_prefill = FAST.__class__(prefill_base_s=1.0)
+    async with SimFleet(3, timing=slow_prefill) as fleet:
+        routing = {"policy": "prefix_aware"}
+        one = await make_router(backends_of(fleet), index=redis_index(redis_server), routing=routing)
+        two = await make_router(backends_of(fleet), index=redis_index(redis_server), routing=routing)
+        first = asyncio.create_task(chat(http, one.url, "turn one"))
+        keys = [f"{{kvroute}}:blocks:e{i}" for i in range(3)]
+
+        async def published() -> bool:
+            return any(redis_server.client().zcard(key) > 0 for key in keys)
+
+        await wait_for(published, what="the pick published to Redis", timeout=0.9)
+        assert not first.done()  # still in its one-second prefill
+        second = await chat(http, two.url, "turn two")
+        assert second.headers["x-kvroute-reason"] == "prefix_hit"
+        assert second.headers["x-kvroute-backend"] == (await first).headers["x-kvroute-backend"]

@@ -25,7 +25,7 @@ class RoutingConfig:
     """
 
     #: A built-in policy's name, or a user's own as ``module:Class``.
-    policy: NonEmptyStr = "prefix_aware"
+    policy: NonEmptyStr = "latency"
     params: dict[str, Any] = field(default_factory=dict)
     #: Seed for the policy's tie-breaking; null draws one at start.
     seed: int | None = None
