@@ -103,7 +103,9 @@ async def test_pending_prefill_is_held_until_the_first_byte_and_released_on_ever
 
 
 @pytest.mark.parametrize(("policy", "spreads"), [("latency", True), ("cost", False)])
-async def test_a_shared_document_spreads_once_its_holders_batch_costs_more(policy, spreads, make_router, http):
+async def test_a_shared_document_spreads_once_its_holders_batch_costs_more(
+    policy, spreads, make_router, http
+):
     """Issue 20's hot-spot over HTTP: requests behind one long shared document, each still
     decoding when the next comes. ``cost`` keeps them all on the document's holder; the
     default ``latency`` prices the decode batch each one joins and copies the (reused)

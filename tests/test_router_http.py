@@ -105,7 +105,8 @@ async def test_repeated_prefixes_stick_while_load_spreads(fleet, make_router):
 
 async def test_one_hot_prefix_does_not_pile_onto_one_replica(fleet, make_router, http):
     """Concurrent requests sharing one prefix spread once a replica is loaded (the hot-spot guard)."""
-    router = await make_router(backends_of(fleet), routing={"policy": "prefix_aware", "params": {"balance_abs_threshold": 2}})
+    routing = {"policy": "prefix_aware", "params": {"balance_abs_threshold": 2}}
+    router = await make_router(backends_of(fleet), routing=routing)
     api = client(router)
     await api.chat.completions.create(model=MODEL, messages=chat("warm up"), max_tokens=1)
 
