@@ -81,7 +81,8 @@ def test_belady_keeps_what_is_needed_soonest_where_lru_thrashes() -> None:
 
 def test_belady_counts_only_the_leading_cached_blocks() -> None:
     chains = [[1, 2, 3], [1, 2, 3], [9, 2, 3]]  # block ids are prefix-unique in real chains
-    assert belady_hit_ratio(chains, [192] * 3, capacity_blocks=10, block_tokens=64) == pytest.approx(192 / 576)
+    ratio = belady_hit_ratio(chains, [192] * 3, capacity_blocks=10, block_tokens=64)
+    assert ratio == pytest.approx(192 / 576)
 
 
 @pytest.mark.parametrize("name", ["chat", "agent"])
