@@ -24,7 +24,9 @@ def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Pa
                 "listen": {"host": "127.0.0.1", "port": port},
                 "backends": backends,
                 "index": index,
-                "routing": {},
+                # The deepest match, deterministically: this file tests the workers' shared
+                # index, not the default policy's trade of a hit against load.
+                "routing": {"policy": "prefix_aware"},
             }
         )
     )
@@ -92,7 +94,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
                 assert resp.status == 200
                 assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
                     backend,
-                    "latency_hit",
+                    "prefix_hit",
                 )
 
             # SIGHUP reaches every worker: each re-reads the file (here refusing a broken one).
