@@ -28,9 +28,8 @@ Where virtual time and the live fleet differ: the live router and the engines sh
 cache works in router blocks (``block_tokens``, 64 by default) where a live engine caches
 16-token blocks (a prompt's partial last router block is never counted as cached here); and
 a request joining decode mid-step is charged from that step as the live decode loop does,
-but its step count is exact only up to floating-point rounding; and the live router records
-a chain when the backend's first byte arrives (after the prefill), so requests that share a
-new prefix and arrive during its prefill are not yet steered together there.
+but its step count is exact only up to floating-point rounding. Like the live router (every
+index believes a chain at the pick), the model records a chain when it sends the request.
 """
 
 from __future__ import annotations

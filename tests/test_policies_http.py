@@ -128,3 +128,25 @@ async def test_a_shared_document_spreads_once_its_holders_batch_costs_more(
     assert (len(set(picks)) > 1) is spreads, picks
     if spreads:
         assert max(picks.count(b) for b in set(picks)) <= 6
+
+
+async def test_a_request_sharing_a_prefix_still_in_prefill_follows_it(make_router, http):
+    """The index believes a chain at the pick, not at the engine's first byte: a request that
+    shares the prefix and arrives during its prefill goes where that prefix is being built."""
+    slow_prefill = FAST.__class__(prefill_base_s=0.5)
+    async with SimFleet(3, timing=slow_prefill) as fleet:
+        router = await make_router(backends_of(fleet))
+        url = f"{router.url}/v1/chat/completions"
+        first = asyncio.create_task(http.post(url, json=body("first", stream=True)))
+        backend = router.app[POOL]
+
+        async def sent() -> bool:
+            return any(b.pending_prefill_requests for b in backend)
+
+        await wait_for(sent, what="the first request picked and sent")
+        async with http.post(url, json=body("second")) as resp:
+            assert resp.headers["x-kvroute-reason"] == "latency_hit"
+            second = resp.headers["x-kvroute-backend"]
+        async with await first as resp:
+            assert resp.headers["x-kvroute-backend"] == second
+            await resp.read()

@@ -165,6 +165,10 @@ class RedisIndex(PrefixIndex):
         """
         self.record(backend, chain)
 
+    def failed(self, backend: str, chain: Sequence[int]) -> None:
+        """Withdrawn from the local mirror; the shared belief is left to eviction (see ``picked``)."""
+        self.local.failed(backend, chain)
+
     def _notify(self) -> None:
         if self._wake is not None:
             self._wake.set()
