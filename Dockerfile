@@ -8,12 +8,12 @@ FROM python:3.11-slim-bookworm AS build
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 RUN python -m venv /opt/kvroute
 WORKDIR /src
-COPY pyproject.toml README.md ./
+COPY pyproject.toml README.md LICENSE ./
 COPY kvroute ./kvroute
 COPY router ./router
 COPY policies ./policies
 COPY loadtest ./loadtest
-RUN /opt/kvroute/bin/pip install --no-compile . \
+RUN /opt/kvroute/bin/pip install --no-compile ".[precise]" \
     && /opt/kvroute/bin/python -m compileall -q /opt/kvroute
 
 FROM python:3.11-slim-bookworm

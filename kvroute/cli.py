@@ -9,18 +9,76 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+from urllib.parse import urlsplit
 
-from router.config import ConfigError, load_config
+from loadtest.help_format import DefaultsHelpFormatter
+from loadtest.sim.timing import EngineTiming
+from loadtest.trace import DEFAULT_TRACE
+from router.config import ConfigError, ConfigSource
 from router.fleet.settings import ENGINE_KINDS
+from router.http.settings import ListenConfig
+from router.request_path.settings import RoutingConfig
 from router.tasks import run_event_loop
+
+#: The environment variable naming the config file when ``--config`` is not given.
+CONFIG_ENV = "KVROUTE_CONFIG"
+
+
+def kvroute_version() -> str:
+    """The installed distribution's version: defined once, in pyproject.toml."""
+    try:
+        return version("kvroute")
+    except PackageNotFoundError:  # a source tree on sys.path without an install
+        return "unknown (not installed)"
+
+
+def backend_flag(value: str) -> dict[str, Any]:
+    """``--backend [ENGINE=]URL`` as a ``backends`` entry, named after the URL's host:port."""
+    engine, sep, url = value.partition("=")
+    if not sep or "://" in engine:
+        engine, url = "vllm", value
+    if engine not in ENGINE_KINDS:
+        raise argparse.ArgumentTypeError(
+            f"unknown engine {engine!r} in {value!r} (one of {', '.join(ENGINE_KINDS)})"
+        )
+    return {"name": urlsplit(url).netloc or url, "url": url, "engine": engine}
+
+
+def serve_source(args: argparse.Namespace) -> ConfigSource:
+    """The config ``kvroute serve`` runs: its file (``--config``, else ``$KVROUTE_CONFIG``) with
+    the flags on top, validated as one document."""
+    overrides: dict[str, Any] = {}
+    if args.backend:
+        overrides["backends"] = args.backend
+    if args.policy is not None:
+        overrides["routing"] = {"policy": args.policy}
+    listen = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
+    if listen:
+        overrides["listen"] = listen
+    if args.redis_url is not None:
+        overrides["index"] = {"store": "redis", "redis": {"url": args.redis_url}}
+    if args.log_level is not None:
+        overrides["log_level"] = args.log_level
+    path = args.config or os.environ.get(CONFIG_ENV) or None
+    return ConfigSource(path, overrides)
 
 
 def _serve(args: argparse.Namespace) -> int:
-    from router.http.server import serve_forever
+    from router.http.server import ListenError, check_listen, serve_forever
 
+    source = serve_source(args)
+    if source.path is None and not args.backend:
+        print(
+            f"kvroute serve: no backends: give --backend URL (repeatable), --config FILE or ${CONFIG_ENV}",
+            file=sys.stderr,
+        )
+        return 2
     try:
-        config = load_config(args.config)
+        config = source.load()
     except ConfigError as exc:
         print(f"kvroute: invalid config: {exc}", file=sys.stderr)
         return 2
@@ -30,21 +88,40 @@ def _serve(args: argparse.Namespace) -> int:
     if reason is not None:
         print(f"kvroute: {reason}", file=sys.stderr)
         return 2
+    try:
+        check_listen(config.listen.host, config.listen.port)
+        for side in (config.admin.listen, config.metrics.listen):
+            if side is not None:
+                check_listen(side.host, side.port)
+    except ListenError as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(
         level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
     )
     if args.workers > 1:
-        return serve_processes(config, args.workers, args.config)
-    run_event_loop(serve_forever(config, args.config))
+        return serve_processes(config, args.workers, source)
+    try:
+        run_event_loop(serve_forever(config, source))
+    except ListenError as exc:
+        print(f"kvroute: {exc}", file=sys.stderr)
+        return 2
     return 0
 
 
 def _sim(args: argparse.Namespace) -> int:
     from loadtest.sim.fleet import serve_fleet
-    from loadtest.sim.timing import EngineTiming
+    from loadtest.sim.kv_events import require_zmq
+
+    if args.kv_events is not None:
+        try:
+            require_zmq()
+        except RuntimeError as exc:
+            print(f"kvroute sim: {exc}", file=sys.stderr)
+            return 2
 
     logging.basicConfig(level=logging.INFO)
-    timing = EngineTiming(kv_blocks=args.kv_blocks) if args.kv_blocks else EngineTiming()
+    timing = EngineTiming(kv_blocks=args.kv_blocks)
     run_event_loop(serve_fleet(args.engines, args.host, args.port, timing, kv_events=args.kv_events))
     return 0
 
@@ -66,7 +143,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     policies = [p for p in args.policy.split(",") if p]
     return run_command(
-        args.trace or args.workload,
+        args.workload or args.trace,
         policies,
         model,
         params=args.params,
@@ -102,17 +179,41 @@ _BENCHMARKS = {
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    return importlib.import_module(_BENCHMARKS[args.benchmark]).main(args.options)
+    module = importlib.import_module(_BENCHMARKS[args.benchmark])
+    return module.main(args.options, prog=f"kvroute bench {args.benchmark}")
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="kvroute", description="Cache-aware router for LLM inference engines"
+        prog="kvroute",
+        description="Cache-aware router for LLM inference engines",
+        formatter_class=DefaultsHelpFormatter,
     )
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser.add_argument("--version", action="version", version=f"kvroute {kvroute_version()}")
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    serve = commands.add_parser("serve", help="run the router in front of the backends in a config file")
-    serve.add_argument("--config", required=True, help="YAML config (see config.example.yaml)")
+    def command(name: str, help: str) -> argparse.ArgumentParser:
+        return commands.add_parser(name, help=help, description=help, formatter_class=DefaultsHelpFormatter)
+
+    serve = command("serve", "run the router in front of the backends given by flags, a config file, or both")
+    serve.add_argument(
+        "--config",
+        help=f"YAML config (see config.example.yaml); default: ${CONFIG_ENV} when set. Flags win over it",
+    )
+    serve.add_argument(
+        "--backend",
+        action="append",
+        type=backend_flag,
+        metavar="[ENGINE=]URL",
+        help="an engine to route to, repeatable; ENGINE is vllm (default) or sglang, e.g. sglang=http://h:30000",
+    )
+    serve.add_argument("--policy", help=f"routing.policy (a file without one: {RoutingConfig.policy})")
+    serve.add_argument("--host", help=f"listen.host (a file without one: {ListenConfig.host})")
+    serve.add_argument("--port", type=int, help=f"listen.port (a file without one: {ListenConfig.port})")
+    serve.add_argument("--redis-url", help="share the prefix index in Redis at this URL (index.store: redis)")
+    serve.add_argument(
+        "--log-level", choices=("debug", "info", "warning", "error"), help="log_level (default info)"
+    )
     serve.add_argument(
         "--workers",
         type=int,
@@ -121,11 +222,16 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve.set_defaults(func=_serve)
 
-    sim = commands.add_parser("sim", help="run a simulated vLLM-like engine fleet (no GPU needed)")
-    sim.add_argument("--engines", type=int, default=4, help="number of engines (default 4)")
-    sim.add_argument("--host", default="127.0.0.1")
+    sim = command("sim", "run a simulated vLLM-like engine fleet (no GPU needed)")
+    sim.add_argument("--engines", type=int, default=4, help="number of engines")
+    sim.add_argument("--host", default="127.0.0.1", help="address the engines listen on")
     sim.add_argument("--port", type=int, default=8001, help="port of the first engine; the rest follow")
-    sim.add_argument("--kv-blocks", type=int, default=0, help="prefix cache capacity per engine, in blocks")
+    sim.add_argument(
+        "--kv-blocks",
+        type=int,
+        default=EngineTiming.kv_blocks,
+        help="prefix cache capacity per engine, in blocks of 16 tokens",
+    )
     sim.add_argument(
         "--kv-events",
         choices=ENGINE_KINDS,
@@ -133,53 +239,64 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sim.set_defaults(func=_sim)
 
-    simulate = commands.add_parser(
-        "simulate", help="replay a Mooncake trace through routing policies on a model fleet, in virtual time"
+    simulate = command(
+        "simulate", "replay a Mooncake trace through routing policies on a model fleet, in virtual time"
     )
-    source = simulate.add_mutually_exclusive_group(required=True)
-    source.add_argument("--trace", help="Mooncake-format JSONL trace")
-    source.add_argument(
+    simulate.add_argument(
         "--workload",
         choices=("chat", "agent", "no_reuse"),
-        help="a generated workload instead of a trace (seeded by --seed; see loadtest/workloads.py)",
+        help="a generated workload instead of the trace (seeded by --seed; see loadtest/workloads.py)",
     )
     simulate.add_argument(
-        "--policy", required=True, help="routing policy, or several separated by commas, each a table row"
+        "--trace",
+        default=str(DEFAULT_TRACE),
+        help="Mooncake-format trace, JSONL or .jsonl.gz (the default is the one kvroute ships)",
+    )
+    simulate.add_argument(
+        "--policy",
+        default="round_robin,least_load,prefix_aware,cost,latency",
+        help="routing policy, or several separated by commas, each a table row",
     )
     simulate.add_argument("--params", help="the policies' parameters as a JSON object")
-    simulate.add_argument("--engines", type=int, default=8, help="engines in the fleet (default 8)")
+    simulate.add_argument("--engines", type=int, default=8, help="engines in the fleet")
     simulate.add_argument(
-        "--capacity", type=int, default=1_000_000, help="KV capacity of each engine in tokens (default 1M)"
+        "--capacity", type=int, default=1_000_000, help="KV capacity of each engine in tokens"
     )
     simulate.add_argument(
         "--belief-capacity", type=int, help="believed KV tokens per engine (default: the true capacity)"
     )
     simulate.add_argument("--eviction", default="lru", help="eviction of the router's beliefs: lru|lfu|ttl")
-    simulate.add_argument("--block-tokens", type=int, default=64, help="router block in tokens (default 64)")
+    simulate.add_argument("--block-tokens", type=int, default=64, help="router block in tokens")
     simulate.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
-    simulate.add_argument("--minutes", type=float, help="replay only the trace's first minutes")
-    simulate.add_argument("--limit", type=int, help="replay only the trace's first requests")
+    simulate.add_argument(
+        "--minutes", type=float, help="replay only the trace's first minutes (default: all)"
+    )
+    simulate.add_argument("--limit", type=int, help="replay only the trace's first requests (default: all)")
     simulate.add_argument("--sweep", help="key=v1,v2,...: one row per value of a policy or fleet parameter")
-    simulate.add_argument("--seed", type=int, default=0, help="seeds the policy and a generated workload")
+    simulate.add_argument(
+        "--seed", type=int, default=0, help="seed of the policies' random choices and of a generated workload"
+    )
     simulate.set_defaults(func=_simulate)
 
-    demo = commands.add_parser(
-        "demo", help="compare round robin and prefix-aware routing on a simulated fleet"
-    )
+    demo = command("demo", "compare round robin and prefix-aware routing on a simulated fleet")
     demo.add_argument("--conversations", type=int, default=96, help="multi-turn conversations to replay")
-    demo.add_argument("--seed", type=int, default=7)
+    demo.add_argument("--seed", type=int, default=7, help="seed of the workload")
     demo.set_defaults(func=_demo)
 
-    config = commands.add_parser("config", help="the config file: config schema (see --help)")
-    config_commands = config.add_subparsers(dest="config_command", required=True)
+    config = command("config", "the config file: config schema")
+    config_commands = config.add_subparsers(dest="config_command", required=True, metavar="COMMAND")
     schema = config_commands.add_parser(
-        "schema", help="print the config's JSON Schema (for editors and validators; docs/config.schema.json)"
+        "schema",
+        help="print the config's JSON Schema (for editors and validators; docs/config.schema.json)",
+        formatter_class=DefaultsHelpFormatter,
     )
     schema.set_defaults(func=_config_schema)
 
-    bench = commands.add_parser("bench", help="benchmarks: bench overhead | bench report (each has --help)")
-    bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="overhead | report | routing")
-    bench.add_argument("options", nargs=argparse.REMAINDER, help="the benchmark's own options")
+    bench = command("bench", "benchmarks: bench overhead | bench report | bench routing (each has --help)")
+    bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="the benchmark to run")
+    bench.add_argument(
+        "options", nargs=argparse.REMAINDER, help="the benchmark's own options (see its --help)"
+    )
     bench.set_defaults(func=_bench)
     return parser
 

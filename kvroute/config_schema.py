@@ -20,7 +20,8 @@ Two files carry it, and a test checks both against what this module generates no
   ``discovery.kubernetes.settings``, the router's ``discovery.kubernetes``) is the config's
   schema inlined, except ``listen``, which the chart sets itself.
 
-``python -m kvroute.config_schema --write`` regenerates both files in a source checkout;
+``python -m kvroute.config_schema --write`` regenerates both files in a source checkout, and the
+generated reference of every key in ``docs/configuration.md`` (``kvroute.config_reference``);
 without arguments it prints the config's schema, as ``kvroute config schema`` does.
 """
 
@@ -39,6 +40,7 @@ from typing import Any
 
 import msgspec
 
+from kvroute.config_reference import REFERENCE_PAGE, page_with_reference
 from router.config import ConfigFile
 from router.fleet.settings import KubernetesDiscoveryConfig
 
@@ -60,15 +62,16 @@ def config_schema() -> dict[str, Any]:
 
 def chart_values_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     """The chart's ``values_schema`` with the router's config schema inlined where the values
-    hold router settings: ``config`` (without ``listen``, set by the chart) and
+    hold router settings: ``config`` (without ``listen`` and ``metrics``, set by the chart) and
     ``discovery.kubernetes.settings``."""
     schema = copy.deepcopy(values_schema)
     config = _inlined(_schema_of(ConfigFile))
     config["description"] = (
         "The router's configuration (config.example.yaml, docs/config.schema.json). "
-        "listen is set by the chart."
+        "listen and metrics are set by the chart."
     )
     config["properties"]["listen"] = {"not": {}, "description": "set by the chart from service.targetPort"}
+    config["properties"]["metrics"] = {"not": {}, "description": "set by the chart from service.metricsPort"}
     config["required"] = ["backends"]
     schema["properties"]["config"] = config
     settings = _inlined(_schema_of(KubernetesDiscoveryConfig))
@@ -169,11 +172,16 @@ def _inlined(schema: dict[str, Any]) -> dict[str, Any]:
 
 
 def write() -> list[Path]:
-    """Regenerate both files; the ones that changed."""
+    """Regenerate both files and the reference page; the ones that changed."""
     changed = []
+    schema = config_schema()
     chart = chart_values_schema(json.loads(CHART_SCHEMA.read_text(encoding="utf-8")))
-    for path, schema in ((DOCS_SCHEMA, config_schema()), (CHART_SCHEMA, chart)):
-        text = render(schema)
+    reference = page_with_reference(REFERENCE_PAGE.read_text(encoding="utf-8"), schema)
+    for path, text in (
+        (DOCS_SCHEMA, render(schema)),
+        (CHART_SCHEMA, render(chart)),
+        (REFERENCE_PAGE, reference),
+    ):
         if not path.exists() or path.read_text(encoding="utf-8") != text:
             path.write_text(text, encoding="utf-8")
             changed.append(path)

@@ -54,12 +54,12 @@ from pathlib import Path
 import aiohttp
 import orjson
 
-from loadtest.bench_routing import TRACE, Bench, load_requests
+from loadtest.bench_routing import Bench, load_requests
 from loadtest.contenders import Contender, cpu_seconds, free_port, sglang, wait_listening
 from loadtest.report import format_table, percentile
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.timing import EngineTiming
-from loadtest.trace import TraceRequest, prompt_text
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_text
 
 MODEL = "sim-model"
 CONTENDERS = ("approximate", "precise", "sglang")
@@ -450,7 +450,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         prog="python -m loadtest.bench_precise", description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format trace, JSONL or .jsonl.gz (default: the one kvroute ships)",
+    )
     # The defaults are the routing benchmark's (loadtest/bench_routing.py): its trace slice,
     # time compression, fleet and capacity; the stale scenario halves the capacity.
     parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")

@@ -48,14 +48,13 @@ from loadtest.redis_server import RedisServer, free_port
 from loadtest.report import format_table, percentile, summarize
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from loadtest.trace import TraceRequest, prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
 from router.config import config_from_dict
 from router.index.build import build_index
 from router.index.redis_store import RedisIndex
 from router.metrics import RouterMetrics
 
 MODEL = "sim-model"
-DEFAULT_TRACE = Path(__file__).resolve().parents[1].parent / "shared/data/mooncake/conversation_trace.jsonl"
 #: Router blocks are 256 characters = 64 simulated tokens (4 characters per token).
 ROUTER_BLOCK_TOKENS = 64
 #: Requests sent one at a time after the replay, on the warm index: the decision time of a

@@ -40,13 +40,13 @@ import aiohttp
 from loadtest import workloads
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
-from loadtest.trace import TraceRequest, prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
 
 MODEL = "sim-model"
-TRACE = Path(__file__).resolve().parents[2] / "shared" / "data" / "mooncake" / "conversation_trace.jsonl"
 #: kvroute contenders: (policy, routing params, closed-loop beliefs).
 KVROUTE = {
     "round_robin": ("round_robin", {}, False),
@@ -341,22 +341,27 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
         print(format_table(heads, predicted))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.bench_routing") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.bench_routing", description=__doc__.split("\n")[0]
+        prog=prog, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n")[0]
     )
-    parser.add_argument("--trace", type=Path, default=TRACE)
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format trace, JSONL or .jsonl.gz (the default is the one kvroute ships)",
+    )
     parser.add_argument(
         "--workload",
         choices=("mooncake", *workloads.NAMES),
         default="mooncake",
-        help="the trace (mooncake, default) or a generated workload (loadtest/workloads.py)",
+        help="the trace (mooncake) or a generated workload (loadtest/workloads.py)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="seeds a generated workload (default 0)")
-    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay (default 10)")
-    parser.add_argument("--speedup", type=float, default=10.0, help="time compression (default 10)")
+    parser.add_argument("--seed", type=int, default=0, help="seeds a generated workload")
+    parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay")
+    parser.add_argument("--speedup", type=float, default=10.0, help="time compression")
     parser.add_argument("--engines", type=int, default=8)
-    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine (default 1M)")
+    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine")
     parser.add_argument(
         "--belief-capacity", type=int, help="kvroute's believed tokens per engine (default: true)"
     )

@@ -53,6 +53,7 @@ from pathlib import Path
 import orjson
 
 from loadtest import contenders as procs
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.httpload import Client, Sample, Throughput, build_request
 from loadtest.null_backend import MODEL, STREAM_CHUNKS
 from loadtest.redis_server import RedisServer
@@ -387,14 +388,14 @@ async def _wait_routable(port: int, timeout: float = 30.0) -> None:
         client.close()
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.overhead", description="Router overhead against null backends."
+        prog=prog,
+        formatter_class=DefaultsHelpFormatter,
+        description="Router overhead against null backends.",
     )
-    parser.add_argument(
-        "--rate", type=float, default=200.0, help="requests/s of the latency runs (default 200)"
-    )
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each latency run (default 5)")
+    parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the latency runs")
+    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each latency run")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight when saturating")
     parser.add_argument(
         "--saturation-seconds", type=float, default=3.0, help="duration of each saturation run"
@@ -402,8 +403,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--rounds", type=int, default=3, help="rounds over all contenders: latency pooled, saturation best of"
     )
-    parser.add_argument("--backends", type=int, default=2, help="null backends behind each proxy (default 2)")
-    parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy (default 1)")
+    parser.add_argument("--backends", type=int, default=2, help="null backends behind each proxy")
+    parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy")
     parser.add_argument("--harness-cpu", default="0", help="CPU list for the load generator and backends")
     parser.add_argument(
         "--workers", type=int, default=0, help="also run kvroute serve --workers N (N > 1; Redis index)"
@@ -419,8 +420,8 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead") -> int:
+    args = build_parser(prog).parse_args(argv)
     if args.harness_cpu and hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {int(c) for c in args.harness_cpu.split(",")})
     if args.profile:

@@ -18,7 +18,9 @@ from pathlib import Path
 
 import redis
 
-REDIS_SERVER = shutil.which("redis-server") or "redis-server"
+from loadtest.programs import require
+
+REDIS_SERVER = "redis-server"
 
 
 def free_port(below: int = 65536) -> int:
@@ -72,7 +74,7 @@ class RedisServer:
         return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
     def start(self) -> RedisServer:
-        args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
+        args = [require(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.dir), *self.extra]
         if self.password:
             args += ["--requirepass", self.password]

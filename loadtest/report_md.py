@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from loadtest import plots
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.results import Contender, load_records
 
 Table = tuple[str, Sequence[str], Sequence[Sequence[object]]]
@@ -125,9 +126,10 @@ def _contender_arg(value: str) -> Contender:
     return load_records(path, name) if sep else load_records(value)
 
 
-def main(argv: list[str] | None = None) -> int:
+def main(argv: list[str] | None = None, prog: str = "python -m loadtest.report_md") -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m loadtest.report_md",
+        prog=prog,
+        formatter_class=DefaultsHelpFormatter,
         description="Turn benchmark records (JSON lines, e.g. locust --records) into a Markdown report.",
     )
     parser.add_argument(

@@ -558,30 +558,32 @@ def report(
     seed: int = 0,
     out: Callable[[str], None] = print,
 ) -> list[Summary]:
-    """Run each of ``runs`` and print one table row per run, then the trace's bounds."""
+    """Run each of ``runs`` and print one table row per run, then the trace's bounds.
+
+    A figure a run has no value for (``cached/predicted`` of a policy that predicts nothing)
+    prints as ``-``; the ``run`` column is there only with ``--sweep``, which labels the rows."""
     rows, summaries = [], []
     for policy, label, model, params in runs:
         _, s = simulate(requests, model, policy, params, seed)
         summaries.append(s)
+        ms = [s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.queue_mean, s.e2e_p50]
         rows.append(
             [
                 policy,
                 label,
-                f"{s.hit_ratio:.1%}",
-                f"{s.ttft_mean * 1000:.0f}",
-                f"{s.ttft_p50 * 1000:.0f}",
-                f"{s.ttft_p90 * 1000:.0f}",
-                f"{s.ttft_p99 * 1000:.0f}",
-                f"{s.queue_mean * 1000:.0f}",
-                f"{s.e2e_p50 * 1000:.0f}",
-                f"{s.imbalance:.2f}",
-                f"{s.belief_accuracy:.2f}",
+                _figure(s.hit_ratio, ".1%"),
+                *(_figure(value * 1000, ".0f") for value in ms),
+                _figure(s.imbalance, ".2f"),
+                _figure(s.belief_accuracy, ".2f"),
                 s.refused,
                 f"{s.wall_s:.1f}",
             ]
         )
     headers = ["policy", "run", "hit ratio", "TTFT mean ms", "p50", "p90", "p99", "queue mean ms"]
     headers += ["e2e p50 ms", "max/mean share", "cached/predicted", "refused", "wall s"]
+    if not any(label for _, label, _, _ in runs):
+        headers.pop(1)
+        rows = [row[:1] + row[2:] for row in rows]
     out(format_table(headers, rows))
     base = runs[0][2]
     b = bounds(requests, base)
@@ -592,6 +594,10 @@ def report(
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
     return summaries
+
+
+def _figure(value: float, spec: str) -> str:
+    return "-" if math.isnan(value) else format(value, spec)
 
 
 class UsageError(ValueError):

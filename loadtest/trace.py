@@ -15,6 +15,7 @@ hashed and cached.
 
 from __future__ import annotations
 
+import gzip
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,10 @@ import orjson
 
 #: Tokens per block of the Mooncake traces' ``hash_ids``.
 TRACE_BLOCK_TOKENS = 512
+
+#: The Mooncake conversation trace shipped with kvroute (Apache-2.0, attribution beside it): the
+#: default ``--trace`` of ``kvroute simulate`` and the benchmarks, so they run out of the box.
+DEFAULT_TRACE = Path(__file__).resolve().parent / "data" / "mooncake" / "conversation_trace.jsonl.gz"
 
 
 @dataclass(frozen=True, slots=True)
@@ -65,13 +70,14 @@ def _parse(line: bytes, number: int) -> TraceRequest:
 def read_trace(
     path: str | Path, *, minutes: float | None = None, limit: int | None = None
 ) -> list[TraceRequest]:
-    """The requests of a trace file, in arrival order, optionally only its first minutes or requests."""
+    """The requests of a trace file (JSONL, or gzip-compressed JSONL named ``*.gz``), in arrival
+    order, optionally only its first minutes or requests."""
     return list(_iter_trace(Path(path), minutes, limit))
 
 
 def _iter_trace(path: Path, minutes: float | None, limit: int | None) -> Iterator[TraceRequest]:
     horizon = None if minutes is None else minutes * 60.0
-    with path.open("rb") as lines:
+    with gzip.open(path, "rb") if path.suffix == ".gz" else path.open("rb") as lines:
         count = 0
         for number, line in enumerate(lines, start=1):
             if not line.strip():

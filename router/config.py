@@ -26,7 +26,7 @@ from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from router.fleet.settings import BackendConfig, DiscoveryConfig, EngineMetricsConfig, HealthConfig
-from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig
+from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig, MetricsConfig
 from router.index.settings import IndexConfig
 from router.request_path.settings import RoutingConfig, TenancyConfig, UpstreamConfig
 
@@ -60,6 +60,8 @@ class ConfigFile:
     discovery: DiscoveryConfig = field(default_factory=DiscoveryConfig)
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    #: The router's log level: debug | info | warning | error.
     log_level: LogLevel = "info"
 
     def validate(self) -> list[str]:
@@ -142,12 +144,75 @@ def _valid_routing(raw: Mapping[str, Any], errors: list[str]) -> RoutingConfig |
 
 def load_config(path: str | Path) -> Config:
     """Read and validate a YAML file."""
+    return ConfigSource(str(path)).load()
+
+
+@dataclass(frozen=True)
+class ConfigSource:
+    """Where the running config comes from, so that a reload (SIGHUP, ``POST /admin/reload``)
+    reads it the same way as the start did: a YAML file, settings given on the command line
+    on top of it (``kvroute serve --backend ... --policy ...``: flags win), or flags alone.
+
+    ``overrides`` is a partial document merged into the file's, section by section: a mapping
+    merges key by key, anything else (``backends``, a list) replaces the file's value. A policy
+    named by an override drops the file's ``routing.params`` when the file names another policy,
+    since parameters belong to the policy they were written for.
+    """
+
+    path: str | None = None
+    overrides: Mapping[str, Any] = field(default_factory=dict)
+
+    def load(self) -> Config:
+        """The validated config; ConfigError naming the file (and line) for anything wrong."""
+        raw = _read_yaml(self.path) if self.path is not None else {}
+        return config_from_dict(_overlaid(raw, self.overrides) if self.overrides else raw)
+
+    def __str__(self) -> str:
+        if self.path is None:
+            return "the command line"
+        return f"{self.path} and the command line" if self.overrides else self.path
+
+
+def _read_yaml(path: str) -> Any:
     try:
         text = Path(path).read_text(encoding="utf-8")
     except OSError as exc:
         raise ConfigError(f"cannot read config file {path}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"cannot read config file {path}: not UTF-8 text ({exc.reason})") from None
     try:
         raw = yaml.safe_load(text)
     except yaml.YAMLError as exc:
-        raise ConfigError(f"{path}: not valid YAML: {exc}") from None
-    return config_from_dict(raw if raw is not None else {})
+        raise ConfigError(f"{path}:{_yaml_place(exc)} not valid YAML: {_yaml_problem(exc)}") from None
+    return raw if raw is not None else {}
+
+
+def _yaml_place(exc: yaml.YAMLError) -> str:
+    """``line:column:`` of a YAML error (1-based, as editors count), when it has a place."""
+    mark = getattr(exc, "problem_mark", None)
+    return f"{mark.line + 1}:{mark.column + 1}:" if mark is not None else ""
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """The parser's words without its excerpt of the file (the place is already given)."""
+    if isinstance(exc, yaml.MarkedYAMLError):
+        return ": ".join(part for part in (exc.context, exc.problem) if part) or "syntax error"
+    return str(exc)
+
+
+def _overlaid(raw: Any, overrides: Mapping[str, Any]) -> Any:
+    if not isinstance(raw, Mapping):
+        return raw  # config_from_dict reports a document that is not a mapping
+    merged = dict(raw)
+    routing = raw.get("routing")
+    policy = (
+        overrides.get("routing", {}).get("policy") if isinstance(overrides.get("routing"), Mapping) else None
+    )
+    if policy is not None and isinstance(routing, Mapping) and routing.get("policy", policy) != policy:
+        merged["routing"] = {key: value for key, value in routing.items() if key != "params"}
+    for key, value in overrides.items():
+        below = merged.get(key)
+        merged[key] = (
+            _overlaid(below, value) if isinstance(value, Mapping) and isinstance(below, Mapping) else value
+        )
+    return merged

@@ -3,6 +3,13 @@
 A registry per app (not the global one) lets tests and the demo run several routers in one
 process. Label values are bounded: backends and models come from config or discovery,
 reasons from the policies' fixed vocabularies, never from request content.
+
+Conventions (Prometheus' naming guide, which promtool checks and a test runs on a real scrape):
+the process metrics are the standard ``process_*`` every exporter has, so stock dashboards and
+alerts find them; a unit is the name's suffix (``_seconds``, ``_bytes``, ``_ratio``); a state is
+one 0/1 series per state with a ``state`` label, never a number standing for a state, so
+``sum by (state)`` counts backends per state; no ``_created`` series (one more series per
+counter and histogram child that no query here uses: disabled for the whole process).
 """
 
 from __future__ import annotations
@@ -10,13 +17,27 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, ProcessCollector
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    disable_created_metrics,
+)
 from prometheus_client.core import CounterMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+disable_created_metrics()
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300)
 #: A routing decision takes well under a millisecond locally; a remote index adds a round trip.
 DECISION_BUCKETS = (0.0001, 0.00025, 0.0005, 0.00075, 0.001, 0.0015, 0.002, 0.003, 0.005, 0.01, 0.025, 0.1)
+
+
+#: The ``state`` label values of ``kvroute_backend_circuit_state`` (router/fleet/circuit.py's
+#: states, lower-cased): every backend has one series per state, exactly one of them 1.
+CIRCUIT_STATES = ("closed", "half_open", "open")
 
 
 class Children:
@@ -44,8 +65,8 @@ class RouterMetrics:
         self.registry = CollectorRegistry()
         r = self.registry
         # The router process's CPU, memory (most of it the prefix index under load) and file
-        # descriptors (one per client and upstream connection), as kvroute_process_*.
-        ProcessCollector(namespace="kvroute", registry=r)
+        # descriptors (one per client and upstream connection), under the standard process_* names.
+        ProcessCollector(registry=r)
         self.requests = Counter(
             "kvroute_requests",
             "Requests answered, by endpoint, model, backend and status; errors the router answers "
@@ -55,21 +76,23 @@ class RouterMetrics:
         )
         self.latency = Histogram(
             "kvroute_request_duration_seconds",
-            "Time from request received to response finished",
-            ["endpoint"],
+            "Time from request received to response finished, by endpoint and model",
+            ["endpoint", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.ttft = Histogram(
             "kvroute_ttft_seconds",
-            "Time from request received to the first upstream byte of the body",
-            ["endpoint"],
+            "Time from request received to the first upstream byte of the body, by endpoint and model",
+            ["endpoint", "model"],
             buckets=LATENCY_BUCKETS,
             registry=r,
         )
         self.decision_time = Histogram(
             "kvroute_routing_decision_seconds",
-            "Time from dispatch to backend chosen: hashing, index lookup (a round trip if remote), policy",
+            "Time from dispatch to backend chosen: hashing, index lookup (a round trip if remote), policy; "
+            "by model",
+            ["model"],
             buckets=DECISION_BUCKETS,
             registry=r,
         )
@@ -146,7 +169,7 @@ class RouterMetrics:
             registry=r,
         )
         self.engine_kv_usage = Gauge(
-            "kvroute_backend_kv_usage",
+            "kvroute_backend_kv_usage_ratio",
             "Engine KV cache usage in [0, 1], from its last fresh /metrics scrape",
             ["backend"],
             registry=r,
@@ -157,10 +180,17 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.engine_mismatch = Gauge(
+            "kvroute_backend_engine_mismatch",
+            "1 while the backend's /metrics answers but holds none of the metrics of its engine: kind",
+            ["backend"],
+            registry=r,
+        )
         self.circuit_state = Gauge(
             "kvroute_backend_circuit_state",
-            "Passive ejection per backend: 0 closed (in rotation), 1 half-open (one trial), 2 open",
-            ["backend"],
+            "Passive ejection per backend: 1 for the backend's state (closed: in rotation, half_open: "
+            "one trial request at a time, open: ejected), 0 for the others",
+            ["backend", "state"],
             registry=r,
         )
         self.draining = Gauge(
@@ -173,6 +203,7 @@ class RouterMetrics:
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)
         self.ttft_by = Children(self.ttft)
+        self.decision_time_by = Children(self.decision_time)
         self.decisions_by = Children(self.decisions)
         self.prompt_tokens_by = Children(self.prompt_tokens)
         self.matched_tokens_by = Children(self.matched_tokens)
@@ -185,6 +216,7 @@ class RouterMetrics:
             self.engine_kv_usage,
             self.circuit_state,
             self.draining,
+            self.engine_mismatch,
             self.index_capacity,
         )
 
@@ -194,7 +226,7 @@ class RouterMetrics:
         *,
         in_flight: int,
         healthy: bool,
-        circuit_state: int,
+        circuit_state: str,
         draining: bool,
         waiting: float | None,
         running: float | None,
@@ -206,7 +238,8 @@ class RouterMetrics:
         reading that count here spares every request two gauge updates."""
         self.in_flight.labels(name).set(in_flight)
         self.healthy.labels(name).set(1 if healthy else 0)
-        self.circuit_state.labels(name).set(circuit_state)
+        for state in CIRCUIT_STATES:
+            self.circuit_state.labels(name, state).set(1 if state == circuit_state else 0)
         self.draining.labels(name).set(1 if draining else 0)
         for gauge, value in (
             (self.engine_waiting, waiting),
@@ -222,8 +255,13 @@ class RouterMetrics:
     def forget_backend(self, name: str) -> None:
         """Drop a removed backend's gauges (its counters stay: they are history)."""
         for gauge in self.backend_gauges:
-            with contextlib.suppress(KeyError):
-                gauge.remove(name)
+            if gauge is self.circuit_state:
+                for state in CIRCUIT_STATES:
+                    with contextlib.suppress(KeyError):
+                        gauge.remove(name, state)
+            else:
+                with contextlib.suppress(KeyError):
+                    gauge.remove(name)
 
     def watch_index(self, index: object) -> None:
         """Expose the index's own eviction count, read at scrape time.

@@ -22,6 +22,9 @@ from tests.fault_engine import FaultEngine, start_engines
 from tests.helpers import FAST, Deployment, MakeRouter
 from tests.redis_servers import RedisServer
 
+#: A test whose program is missing fails with one line naming it and its install command.
+pytest_plugins = ("tests.missing_programs",)
+
 
 @pytest.fixture
 async def fleet() -> AsyncIterator[SimFleet]:

@@ -20,6 +20,7 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.programs import require
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import Config, config_from_dict
@@ -104,6 +105,30 @@ def total(samples: dict[tuple[str, tuple], float], name: str, **labels: str) -> 
     return sum(
         v for (n, ls), v in samples.items() if n == name and all((k, val) in ls for k, val in labels.items())
     )
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run([require("openssl"), *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+def make_certificates(directory: Path) -> Path:
+    """A throwaway CA in ``directory`` (``ca.crt``/``ca.key``), a server certificate it signed for
+    127.0.0.1 and localhost (``server.crt``/``server.key``), and a client certificate for mutual
+    TLS (``client.crt``/``client.key``), made by ``openssl``; returns ``directory``."""
+    d = directory
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvroute test CA",
+             "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
+    extensions = {
+        "server": "subjectAltName=IP:127.0.0.1,DNS:localhost\nextendedKeyUsage=serverAuth\n",
+        "client": "extendedKeyUsage=clientAuth\n",
+    }
+    for name, ext in extensions.items():
+        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", f"/CN=kvroute test {name}",
+                 "-keyout", f"{name}.key", "-out", f"{name}.csr", cwd=d)  # fmt: skip
+        (d / f"{name}.ext").write_text(ext)
+        _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
+                 "-days", "1", "-extfile", f"{name}.ext", "-out", f"{name}.crt", cwd=d)  # fmt: skip
+    return d
 
 
 def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:

@@ -20,6 +20,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtest.programs import require
+
 BINARY = "prometheus"
 
 
@@ -71,9 +73,7 @@ class PrometheusServer:
         }
 
     async def start(self, timeout_s: float = 30.0) -> None:
-        binary = shutil.which(BINARY)
-        if binary is None:
-            raise PrometheusError("prometheus is not installed (apt-get install prometheus; .ci/run does)")
+        binary = require(BINARY)
         self._dir = Path(tempfile.mkdtemp(prefix="kvroute-prometheus-"))
         config = self._dir / "prometheus.yml"
         config.write_text(yaml.safe_dump(self._config()))

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import redis
 
+from loadtest.programs import require
 from loadtest.redis_server import REDIS_SERVER, RedisServer, free_port, redis_server, wait_until_up
 
-REDIS_CLI = shutil.which("redis-cli") or "redis-cli"
+REDIS_CLI = "redis-cli"
 
 __all__ = ["RedisClusterServers", "RedisSentinel", "RedisServer", "free_port", "redis_server"]
 
@@ -40,7 +41,7 @@ class RedisSentinel:
         )
         with open(self.dir / "sentinel.log", "ab") as log:
             self.process = subprocess.Popen(
-                [REDIS_SERVER, str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT
+                [require(REDIS_SERVER), str(conf), "--sentinel"], stdout=log, stderr=subprocess.STDOUT
             )
         client = redis.Redis(port=self.port, socket_timeout=5)
         wait_until_up(
@@ -100,7 +101,15 @@ class RedisClusterServers:
             node.start()
         addresses = [f"127.0.0.1:{node.port}" for node in self.nodes]
         subprocess.run(
-            [REDIS_CLI, "--cluster", "create", *addresses, "--cluster-replicas", "0", "--cluster-yes"],
+            [
+                require(REDIS_CLI),
+                "--cluster",
+                "create",
+                *addresses,
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ],
             check=True,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import re
 import socket
 import subprocess
 import sys
@@ -162,3 +163,162 @@ def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
     finally:
         subscriber.close(linger=0)
         context.term()
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+def chat(router: str) -> str:
+    """One chat completion through the router; the backend that answered."""
+    request = urllib.request.Request(
+        f"{router}/v1/chat/completions",
+        data=json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert json.loads(resp.read())["choices"][0]["message"]["content"]
+        return resp.headers["x-kvroute-backend"]
+
+
+def test_serve_from_flags_alone_routes_to_the_simulated_fleet(processes):
+    engine_port = free_port_pair()
+    processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(engine_port)]))
+    wait_until_up(f"http://127.0.0.1:{engine_port}/health")
+    wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
+    router_port = free_port()
+    urls = [f"http://127.0.0.1:{engine_port}", f"vllm=http://127.0.0.1:{engine_port + 1}"]
+    flags = ["--backend", urls[0], "--backend", urls[1], "--policy", "least_load", "--port", str(router_port)]
+    processes.append(subprocess.Popen([*KVROUTE, "serve", *flags]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+    names = {f"127.0.0.1:{engine_port}", f"127.0.0.1:{engine_port + 1}"}
+    assert {chat(router) for _ in range(4)} == names  # least_load with nothing in flight: both serve
+    config = json.loads(get(f"{router}/admin/config")[1])["config"]
+    assert config["routing"]["policy"] == "least_load"
+    assert [b["engine"] for b in config["backends"]] == ["vllm", "vllm"]
+
+
+def test_the_example_config_runs_as_shipped_in_front_of_kvroute_sim(tmp_path: Path, processes):
+    """config.example.yaml names the ports `kvroute sim` takes by default; only those ports (and the
+    router's, taken elsewhere on a shared machine) are moved here, every other line is as shipped."""
+    example = (Path(__file__).resolve().parent.parent / "config.example.yaml").read_text()
+    sim_port, router_port = free_port_pair(), free_port()
+    assert "http://127.0.0.1:8001" in example and "http://127.0.0.1:8002" in example
+    assert "\n  port: 8080\n" in example
+    moved = (
+        example.replace("http://127.0.0.1:8001", f"http://127.0.0.1:{sim_port}")
+        .replace("http://127.0.0.1:8002", f"http://127.0.0.1:{sim_port + 1}")
+        .replace("\n  port: 8080\n", f"\n  port: {router_port}\n")
+    )
+    config = tmp_path / "config.yaml"
+    config.write_text(moved)
+    processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(sim_port)]))
+    wait_until_up(f"http://127.0.0.1:{sim_port + 1}/health")
+    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+    assert chat(router) in {"a", "b"}
+    backends = json.loads(get(f"{router}/admin/backends")[1])["backends"]
+    assert [b["engine_mismatch"] for b in backends] == [None, None]
+    assert all(b["engine_capacity_tokens"] for b in backends)  # each engine's /metrics read
+
+
+def test_flags_win_over_the_file_that_kvroute_config_names(tmp_path: Path, monkeypatch):
+    from kvroute.cli import build_parser, serve_source
+
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(
+        "listen: {host: 0.0.0.0, port: 9000}\n"
+        "backends:\n  - {name: a, url: 'http://10.0.0.1:8000'}\n"
+        "routing: {policy: cost, params: {queue_weight: 0.5}}\n"
+        "health: {interval_s: 7}\n"
+    )
+    monkeypatch.setenv("KVROUTE_CONFIG", str(config))
+    args = build_parser().parse_args(
+        ["serve", "--backend", "sglang=http://10.0.0.2:30000", "--policy", "least_load", "--port", "9100"]
+    )
+    loaded = serve_source(args).load()
+    assert [(b.name, b.url, b.engine) for b in loaded.backends] == [
+        ("10.0.0.2:30000", "http://10.0.0.2:30000", "sglang")
+    ]
+    assert (loaded.routing.policy, loaded.routing.params) == ("least_load", {})  # cost's params dropped
+    assert (loaded.listen.host, loaded.listen.port) == ("0.0.0.0", 9100)  # host from the file
+    assert loaded.health.interval_s == 7
+    # The same policy as the file's keeps the file's parameters.
+    same = build_parser().parse_args(["serve", "--policy", "cost"])
+    assert serve_source(same).load().routing.params == {"queue_weight": 0.5}
+
+
+def test_a_flag_naming_an_unknown_engine_is_a_usage_error():
+    result = subprocess.run(
+        [*KVROUTE, "serve", "--backend", "tgi=http://h:1"], capture_output=True, text=True, timeout=30
+    )
+    assert result.returncode == 2
+    assert "unknown engine 'tgi'" in result.stderr
+
+
+def one_line_exit_2(*args: str) -> str:
+    result = subprocess.run([*KVROUTE, *args], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1, result.stderr
+    return result.stderr.strip()
+
+
+def test_a_port_in_use_is_one_line_and_exit_2(processes):
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        engine_port = free_port_pair()
+        processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "1", "--port", str(engine_port)]))
+        wait_until_up(f"http://127.0.0.1:{engine_port}/health")
+        line = one_line_exit_2("serve", "--backend", f"http://127.0.0.1:{engine_port}", "--port", str(port))
+    assert line.startswith(f"kvroute: cannot listen on 127.0.0.1:{port}: ")
+
+
+def test_an_unreadable_file_and_bad_yaml_are_one_line_naming_the_file_and_line(tmp_path: Path):
+    missing = tmp_path / "missing.yaml"
+    assert f"cannot read config file {missing}" in one_line_exit_2("serve", "--config", str(missing))
+    assert f"cannot read config file {tmp_path}" in one_line_exit_2("serve", "--config", str(tmp_path))
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("listen:\n  port: 8080\nbackends: [\n  {name: a, url: 'http://h:1'}\nrouting: x\n")
+    line = one_line_exit_2("serve", "--config", str(bad))
+    assert f"{bad}:5:" in line and "not valid YAML" in line
+
+
+def test_serve_without_backends_says_how_to_give_them(monkeypatch):
+    monkeypatch.delenv("KVROUTE_CONFIG", raising=False)
+    assert "--backend URL" in one_line_exit_2("serve")
+
+
+def test_version_is_the_one_pyproject_defines():
+    from importlib.metadata import version
+
+    pyproject = (Path(__file__).resolve().parent.parent / "pyproject.toml").read_text()
+    declared = re.search(r'^version = "([^"]+)"$', pyproject, flags=re.MULTILINE)
+    assert declared and declared.group(1) == version("kvroute")
+    result = subprocess.run([*KVROUTE, "--version"], capture_output=True, text=True, timeout=30)
+    assert result.stdout.strip() == f"kvroute {declared.group(1)}"
+
+
+def help_of(*args: str) -> str:
+    result = subprocess.run([*KVROUTE, *args, "--help"], capture_output=True, text=True, timeout=30)
+    assert result.returncode == 0, result.stderr
+    return " ".join(result.stdout.split())
+
+
+def test_every_commands_help_shows_its_defaults():
+    assert "bench overhead | bench report | bench routing" in help_of()
+    assert "(default: 8001)" in help_of("sim") and "(default: 4096)" in help_of("sim")
+    assert "(default: 1)" in help_of("serve") and "(a file without one: prefix_aware)" in help_of("serve")
+    assert "conversation_trace.jsonl.gz)" in help_of("simulate")
+    assert "(default: 96)" in help_of("demo")
+    for benchmark, default in (("overhead", "(default: 200.0)"), ("routing", "(default: 10.0)")):
+        text = help_of("bench", benchmark)
+        assert text.startswith(f"usage: kvroute bench {benchmark} ")
+        assert default in text and "(default: None)" not in text
+    assert help_of("bench", "report").startswith("usage: kvroute bench report ")

@@ -300,7 +300,7 @@ def test_every_mistake_of_a_file_is_reported_each_by_its_path(tmp_path: Path) ->
         load_config(path)
     assert info.value.errors == [
         "logging: unknown key; expected one of ['admin', 'auth', 'backends', 'discovery', 'engine_metrics',"
-        " 'health', 'index', 'limits', 'listen', 'log_level', 'routing', 'tenancy', 'upstream']",
+        " 'health', 'index', 'limits', 'listen', 'log_level', 'metrics', 'routing', 'tenancy', 'upstream']",
         "listen.port: expected an integer in [0, 65535], got 70000",
         "backends[1].url: expected an http:// or https:// URL, got 'ftp://x'",
         "backends[1].engine: expected one of ['vllm', 'sglang'], got 'tgi'",

@@ -12,6 +12,7 @@ import pytest
 import yaml
 
 from kvroute.cli import main
+from kvroute.config_reference import REFERENCE_PAGE, page_with_reference
 from kvroute.config_schema import CHART_SCHEMA, DOCS_SCHEMA, chart_values_schema, config_schema, render
 from router.config import config_from_dict
 
@@ -31,6 +32,16 @@ def test_the_committed_schemas_are_what_the_types_generate_now() -> None:
     """Regenerate both with ``python -m kvroute.config_schema --write`` after changing a type."""
     assert DOCS_SCHEMA.read_text() == render(config_schema())
     assert CHART_SCHEMA.read_text() == render(chart_values_schema(json.loads(CHART_SCHEMA.read_text())))
+
+
+def test_the_configuration_reference_is_what_the_types_generate_now() -> None:
+    """docs/configuration.md's generated part lists every key of every section, from the same
+    types; regenerate it with ``python -m kvroute.config_schema --write`` after changing one."""
+    page = REFERENCE_PAGE.read_text()
+    assert page == page_with_reference(page, config_schema())
+    for name, definition in config_schema()["$defs"].items():
+        for key in definition["properties"]:
+            assert f"| `{key}` |" in page, f"{name}.{key} is missing from the reference"
 
 
 def test_kvroute_config_schema_prints_it(capsys: pytest.CaptureFixture[str]) -> None:

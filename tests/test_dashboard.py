@@ -34,7 +34,7 @@ MODEL = "sim-model"
 SYSTEMS = [f"You are assistant number {i}. Answer briefly and precisely. " * 12 for i in range(3)]
 #: What Grafana puts in place of the dashboard's variables: every model and backend, and a
 #: rate window that holds several of the test's 1 s scrapes.
-VARIABLES = {"$__rate_interval": "30s", "$model": ".*", "$backend": ".*"}
+VARIABLES = {"$__rate_interval": "30s", "$model": ".*", "$backend": ".*", "$job": ".*", "$namespace": ".*"}
 #: PromQL words that are not metric names.
 PROMQL_WORDS = {
     "sum", "max", "min", "avg", "count", "rate", "histogram_quantile", "by", "or", "and", "unless",
@@ -45,6 +45,10 @@ PRECISE_INDEX = {"mode": "events", "tokenizer": {"kind": "chunk"}}
 #: How long after the load the panels may take to fill (a few 1 s scrapes, on a busy machine).
 SETTLE_S = 20.0
 ENGINE_METRIC = re.compile(r"^(vllm|sglang):[a-z_]+$")
+#: A selector of the router's own series (``process_*`` too, a name every exporter has).
+ROUTER_SELECTOR = re.compile(r"\b((?:kvroute|process)_[a-z_]+)(\{[^}]*\})?")
+#: The latency and time-to-first-token histograms: each of their panels follows ``$model``.
+LATENCY_HISTOGRAM = re.compile(r"_seconds_bucket$")
 
 
 def panels() -> list[dict[str, Any]]:
@@ -53,6 +57,17 @@ def panels() -> list[dict[str, Any]]:
 
 def expressions() -> list[tuple[str, str]]:
     return [(f"{p['title']} [{t['refId']}]", t["expr"]) for p in panels() for t in p["targets"]]
+
+
+def variable_selectors() -> dict[str, tuple[str, str]]:
+    """Each query variable's series selector and label, from its ``label_values(selector, label)``."""
+    found = {}
+    for variable in json.loads(DASHBOARD.read_text())["templating"]["list"]:
+        if variable["type"] == "query":
+            match = re.fullmatch(r"label_values\((.+), (\w+)\)", variable["definition"])
+            assert match, variable["definition"]
+            found[variable["name"]] = (match[1], match[2])
+    return found
 
 
 def concrete(expr: str) -> str:
@@ -76,8 +91,17 @@ def test_dashboard_shape_variables_and_metric_names():
     variables = {v["name"]: v for v in dashboard["templating"]["list"]}
     assert variables["datasource"]["type"] == "datasource"
     assert variables["datasource"]["query"] == "prometheus"
-    for name in ("model", "backend"):
+    for name in ("namespace", "job", "model", "backend"):
         assert variables[name]["includeAll"] and variables[name]["allValue"] == ".*"
+    # Two releases (or two namespaces) scraped by one Prometheus never mix: every query of the
+    # router's series, the variables' own included, is scoped to the chosen job and namespace.
+    scoped = [v["definition"] for v in variables.values() if v["name"] in ("model", "backend")]
+    for expr in scoped + [expr for _, expr in expressions()]:
+        for name, matchers in ROUTER_SELECTOR.findall(expr):
+            assert 'job=~"$job"' in matchers and 'namespace=~"$namespace"' in matchers, (name, expr)
+            if LATENCY_HISTOGRAM.search(name) and not name.startswith("kvroute_redis_"):
+                assert 'model=~"$model"' in matchers, (name, expr)
+    assert "$namespace" in variables["job"]["definition"]
     for panel in panels():
         assert panel["datasource"]["uid"] == "${datasource}", panel["title"]
         assert panel["targets"], panel["title"]
@@ -92,7 +116,7 @@ def test_dashboard_shape_variables_and_metric_names():
         cells |= covered
     for where, expr in expressions():
         for name in metric_names(expr):
-            assert name.startswith("kvroute_") or ENGINE_METRIC.match(name), f"{where}: {name}"
+            assert name.startswith(("kvroute_", "process_")) or ENGINE_METRIC.match(name), f"{where}: {name}"
     titles = " ".join(p["title"] for p in dashboard["panels"]).lower()
     for topic in ("hit ratio", "time to first token", "per backend", "retries", "redis", "index"):
         assert topic in titles, topic
@@ -194,6 +218,14 @@ async def test_every_panel_query_parses_and_returns_data(make_router, http):
                     interval=0.5,
                     detail=lambda: "panels without data:\n" + "\n".join(empty),
                 )
+                # The variables' series selectors parse, and offer the values the test made
+                # (a static scrape config sets no namespace label: its list stays empty here).
+                offered = {}
+                for name, (selector, label) in variable_selectors().items():
+                    series = await prometheus.query(concrete(selector))
+                    offered[name] = {s["metric"].get(label) for s in series} - {None}
+                assert offered["job"] == {"kvroute"}
+                assert MODEL in offered["model"] and "doomed" in offered["backend"]
 
 
 async def _panels_without_data(prometheus: PrometheusServer) -> list[str]:

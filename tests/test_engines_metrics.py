@@ -7,13 +7,15 @@ SGLang 0.5.23 with two DP ranks and repeated TP ranks, and 0.4.7's smaller label
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
+from typing import Any
 
 import pytest
 from aiohttp import web
 
 from loadtest.sim.fleet import SimFleet
-from router.fleet.engines import ADAPTERS, EngineStats
+from router.fleet.engines import ADAPTERS, EngineStats, engine_speaking
 from tests.fault_engine import MODEL, backends, start_engines
 from tests.helpers import FAST, backends_of, scrape, total, wait_for
 
@@ -78,10 +80,12 @@ def test_malformed_text_is_an_error():
         ADAPTERS["vllm"].parse('vllm:num_requests_running{engine="0" 3\n')
 
 
-async def _serve_text(texts: dict[str, str]) -> tuple[web.AppRunner, str]:
-    """A stand-in engine whose /metrics is ``texts["metrics"]`` (mutable), /health always 200."""
+async def _serve_text(texts: dict[str, Any]) -> tuple[web.AppRunner, str]:
+    """A stand-in engine whose /metrics is ``texts["metrics"]`` (mutable; counted in
+    ``texts["scrapes"]``), /health always 200."""
 
     async def metrics(_request: web.Request) -> web.Response:
+        texts["scrapes"] = texts.get("scrapes", 0) + 1
         if texts["metrics"] is None:
             return web.Response(status=500)
         return web.Response(text=texts["metrics"], content_type="text/plain")
@@ -116,7 +120,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         assert first["engine_capacity_tokens"] == 400000
         samples = await scrape(http, router.url)
         assert total(samples, "kvroute_backend_engine_running", backend="sg") == 22
-        assert total(samples, "kvroute_backend_kv_usage", backend="sg") == pytest.approx(0.4)
+        assert total(samples, "kvroute_backend_kv_usage_ratio", backend="sg") == pytest.approx(0.4)
 
         # The engine stops answering /metrics: its numbers go stale and are shown as unknown.
         texts["metrics"] = None
@@ -173,3 +177,70 @@ def test_a_nan_gauge_is_unknown_not_an_error():
     text = (FIXTURES / "vllm_0.9.2.txt").read_text().replace("} 0.875", "} NaN")
     stats = ADAPTERS["vllm"].parse(text)
     assert (stats.running, stats.kv_usage) == (4, None)
+
+
+@pytest.mark.parametrize(
+    ("engine", "fixture"), [("vllm", "vllm_0.33.0_dp2.txt"), ("sglang", "sglang_0.4.7.txt")]
+)
+def test_an_engines_text_is_recognised_as_that_engines_alone(engine, fixture):
+    text = (FIXTURES / fixture).read_text()
+    assert [kind for kind, adapter in sorted(ADAPTERS.items()) if adapter.speaks(text)] == [engine]
+    assert engine_speaking(text) == engine
+
+
+async def test_a_backend_declared_as_the_wrong_engine_is_reported_once(make_router, http, caplog):
+    """`kvroute sim` speaks vLLM; a backend declared `engine: sglang` in front of it is named in the
+    log (once, over many scrapes), in a metric and in /admin/backends, with the engine it looks like."""
+    caplog.set_level(logging.INFO, logger="kvroute.scraper")
+    async with SimFleet(2, timing=FAST) as fleet:
+        right, wrong = backends_of(fleet)
+        router = await make_router(
+            [right, {**wrong, "engine": "sglang"}], engine_metrics={"interval_s": 0.05}
+        )
+
+        async def listed() -> dict[str, dict]:
+            async with http.get(f"{router.url}/admin/backends") as resp:
+                return {b["name"]: b for b in (await resp.json())["backends"]}
+
+        backends = await listed()
+        assert backends[right["name"]]["engine_mismatch"] is None
+        assert "looks like vllm: set engine: vllm" in backends[wrong["name"]]["engine_mismatch"]
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_backend_engine_mismatch", backend=wrong["name"]) == 1
+        assert total(samples, "kvroute_backend_engine_mismatch", backend=right["name"]) == 0
+        assert [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING] == [
+            f"backend {wrong['name']} (engine: sglang): /metrics holds none of the sglang metrics "
+            "kvroute reads; it looks like vllm: set engine: vllm"
+        ]
+
+
+async def test_an_engine_mismatch_is_said_once_names_no_engine_when_none_fits_and_clears(
+    make_router, http, caplog
+):
+    caplog.set_level(logging.INFO, logger="kvroute.scraper")
+    texts: dict[str, Any] = {"metrics": "# TYPE tgi_queue_size gauge\ntgi_queue_size 3.0\n"}
+    runner, url = await _serve_text(texts)
+    try:
+        router = await make_router(
+            [{"name": "x", "url": url, "engine": "vllm", "models": ["m"]}],
+            engine_metrics={"interval_s": 0.05},
+        )
+
+        async def mismatch() -> str | None:
+            async with http.get(f"{router.url}/admin/backends") as resp:
+                return (await resp.json())["backends"][0]["engine_mismatch"]
+
+        assert await mismatch() == "/metrics holds none of the vllm metrics kvroute reads"
+        await wait_for(lambda: texts["scrapes"] >= 5, what="a few more scrapes of the same text")
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert warnings == ["backend x (engine: vllm): /metrics holds none of the vllm metrics kvroute reads"]
+        texts["metrics"] = _vllm_load(waiting=1, running=2)
+
+        async def cleared() -> bool:
+            return await mismatch() is None
+
+        await wait_for(cleared, what="the mismatch to clear once the engine's metrics are there")
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_backend_engine_mismatch", backend="x") == 0
+    finally:
+        await runner.cleanup()

@@ -4,6 +4,7 @@ clean error and nothing is retried. In-flight counts return to zero on every pat
 from __future__ import annotations
 
 import json
+import socket
 
 import aiohttp
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from tests.fault_engine import MODEL, FaultEngine, backends
-from tests.helpers import backends_of, scrape, total, wait_for
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
 
 ROUND_ROBIN = {"policy": "round_robin"}
 
@@ -173,3 +174,40 @@ async def test_simulated_engine_killed_mid_stream_then_routed_around(make_router
             return states == {"e0": "unhealthy", "e1": "closed"}
 
         await wait_for(e0_out, what="e0 unhealthy and e1 closed")
+
+
+async def test_a_connect_timeout_is_logged_as_one_with_its_duration_and_fails_over(make_router, http, caplog):
+    """The engine at e0's address goes away and a listener that never accepts takes its port
+    (its accept queue full: a new connection's SYN goes unanswered), before the next health
+    check: the request's connect times out, is logged as such, and e1 serves it."""
+    async with SimFleet(2, timing=FAST) as fleet:
+        port = int(fleet.urls[0].rsplit(":", 1)[1])
+        router = await make_router(
+            backends_of(fleet),
+            routing=ROUND_ROBIN,
+            health={"interval_s": 60},
+            upstream={"connect_timeout_s": 0.25},
+        )
+        await fleet.engines[0].stop()
+        with socket.socket() as listener:
+            listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            listener.bind(("127.0.0.1", port))
+            listener.listen(0)
+            fillers = [socket.create_connection(("127.0.0.1", port), timeout=1)]
+            fillers += [socket.socket() for _ in range(3)]
+            for filler in fillers[1:]:
+                filler.setblocking(False)
+                filler.connect_ex(("127.0.0.1", port))
+            try:
+                answers = []
+                for _ in range(2):
+                    body = {"model": "sim-model", "prompt": "hello", "max_tokens": 3}
+                    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+                        answers.append((resp.status, resp.headers.get("x-kvroute-backend")))
+            finally:
+                for filler in fillers:
+                    filler.close()
+        assert answers == [(200, "e1")] * 2
+        assert f"connecting to 127.0.0.1:{port} timed out after 0.25 s" in caplog.text
+        samples = await scrape(http, router.url)
+        assert total(samples, "kvroute_upstream_errors_total", backend="e0", kind="connect") >= 1

@@ -8,6 +8,7 @@ import asyncio
 import aiohttp
 
 from router.fleet.circuit import CircuitBreaker, CircuitState
+from router.metrics import CIRCUIT_STATES
 from tests.fault_engine import MODEL, backends
 from tests.helpers import scrape, total, wait_for
 
@@ -109,7 +110,11 @@ async def test_failing_backend_is_ejected_and_readmitted_after_recovery(fault_en
     answers = [await complete(http, router) for _ in range(4)]
     assert answers == [(200, "f1")] * 4 and f0.received == before
     samples = await scrape(http, router.url)
-    assert total(samples, "kvroute_backend_circuit_state", backend="f0") == 2
+    states = {
+        state: total(samples, "kvroute_backend_circuit_state", backend="f0", state=state)
+        for state in CIRCUIT_STATES
+    }
+    assert states == {"closed": 0, "half_open": 0, "open": 1}
 
     f0.mode = "ok"
 
@@ -118,6 +123,9 @@ async def test_failing_backend_is_ejected_and_readmitted_after_recovery(fault_en
         return (await listed(http, router))["f0"]["circuit"] == "closed"
 
     await wait_for(readmitted, what="f0's circuit closed again")
+    samples = await scrape(http, router.url)
+    assert total(samples, "kvroute_backend_circuit_state", backend="f0", state="closed") == 1
+    assert total(samples, "kvroute_backend_circuit_state", backend="f0") == 1
     assert {(await complete(http, router))[1] for _ in range(4)} == {"f0", "f1"}
 
 

@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from router.config import Config, config_from_dict
+from router.http.server import RouterServer
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvroute"
@@ -69,11 +70,39 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
             "kubernetes": {"enabled": True, "settings": {"label_selector": "app=sgl", "namespace": "gpu"}}
         }
     },
-    "autoscaling": {"autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6}},
+    "autoscaling": {
+        "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6},
+        "redis": {"enabled": True},
+    },
+    "several_replicas_builtin_redis": {"replicaCount": 3, "redis": {"enabled": True}},
+    "image_digest_and_relabelings": {
+        "image": {"digest": "sha256:" + "ab" * 32},
+        "monitoring": {
+            "serviceMonitor": {
+                "enabled": True,
+                "relabelings": [{"sourceLabels": ["__meta_kubernetes_pod_node_name"], "targetLabel": "node"}],
+                "metricRelabelings": [
+                    {"sourceLabels": ["__name__"], "regex": "process_virtual_.*", "action": "drop"}
+                ],
+            }
+        },
+    },
     "monitoring_on": {"monitoring": {"serviceMonitor": {"enabled": True, "labels": {"release": "prom"}}}},
     "monitoring_off": {"monitoring": {"serviceMonitor": {"enabled": False}, "dashboard": {"enabled": False}}},
-    # Every setting the router documents passes the chart's schema of `config` (but `listen`, the chart's).
-    "every_config_setting": {"config": {k: v for k, v in EXAMPLE_CONFIG.items() if k != "listen"}},
+    "metrics_port": {
+        "service": {"metricsPort": 9090},
+        "monitoring": {"serviceMonitor": {"enabled": True}},
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
+        },
+    },
+    # Every setting the router documents passes the chart's schema of `config` (but `listen`
+    # and `metrics`, the chart's).
+    "every_config_setting": {
+        "config": {k: v for k, v in EXAMPLE_CONFIG.items() if k not in ("listen", "metrics")}
+    },
 }
 
 
@@ -142,7 +171,7 @@ def test_rendered_config_is_accepted_by_the_router_loader(values):
     assert service["spec"]["ports"][0]["targetPort"] == container["ports"][0]["name"]
 
 
-def test_defaults_memory_index_no_api_access_no_redis():
+def test_defaults_one_router_with_the_memory_index_no_api_access_no_redis():
     objects = render({})
     config = router_config(objects)
     assert config.index.store == "memory"
@@ -150,13 +179,82 @@ def test_defaults_memory_index_no_api_access_no_redis():
     assert not kinds(objects) & {"ServiceAccount", "Role", "RoleBinding", "StatefulSet", "ServiceMonitor"}
     spec = pod_spec(objects)
     assert spec["automountServiceAccountToken"] is False
-    assert find(objects, "Deployment")["spec"]["replicas"] == 2
+    assert find(objects, "Deployment")["spec"]["replicas"] == 1
+
+
+async def test_the_default_render_is_a_working_single_router(fleet, http):
+    """The default values' config, with the placeholder engines replaced by simulated ones (and
+    the pod's 0.0.0.0 by loopback), runs a router that answers its probes and routes."""
+    objects = render({})
+    document = yaml.safe_load(find(objects, "ConfigMap")["data"]["config.yaml"])
+    document["backends"] = [
+        {**b, "url": url} for b, url in zip(document["backends"], fleet.urls, strict=False)
+    ]
+    document["listen"] = {**document["listen"], "host": "127.0.0.1", "port": 0}
+    container = pod_spec(objects)["containers"][0]
+    async with RouterServer(config_from_dict(document)) as router:
+        for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+            assert container[probe]["httpGet"]["port"] == "http"
+            async with http.get(router.url + container[probe]["httpGet"]["path"]) as resp:
+                assert resp.status == 200, probe
+        body = {"model": "sim-model", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+        async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-backend"] in {"vllm-0", "vllm-1"}
+
+
+@pytest.mark.parametrize(
+    ("values", "asked"),
+    [
+        ({"replicaCount": 2}, "replicaCount=2"),
+        ({"autoscaling": {"enabled": True}}, "autoscaling.enabled=true"),
+    ],
+)
+def test_several_replicas_with_the_memory_index_fail_to_render_saying_what_to_set(values, asked):
+    with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmRenderError) as caught:
+        chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    message = str(caught.value)
+    assert f"{asked} needs a shared prefix index" in message
+    assert "Set redis.enabled=true" in message and "replicaCount=1" in message
+
+
+def test_several_replicas_share_the_charts_valkey_or_a_redis_of_their_own():
+    objects = render(VALUES_SETS["several_replicas_builtin_redis"])
+    assert find(objects, "Deployment")["spec"]["replicas"] == 3
+    assert router_config(objects).index.store == "redis"
+    image = find(objects, "StatefulSet", f"{FULLNAME}-redis")["spec"]["template"]["spec"]["containers"][0][
+        "image"
+    ]
+    assert image.startswith("valkey/valkey:")
+    own_redis = {"index": {"store": "redis", "redis": {"url": "redis://redis.shared:6379/0"}}}
+    with helm.Chart.load(CHART) as chart:
+        config = {**chart.values["config"], **own_redis}
+    objects = render({"replicaCount": 2, "config": config})
+    assert router_config(objects).index.redis.url == "redis://redis.shared:6379/0"
+
+
+def test_image_digest_pins_the_image_and_relabelings_reach_the_service_monitor():
+    values = VALUES_SETS["image_digest_and_relabelings"]
+    objects = render(values)
+    assert pod_spec(objects)["containers"][0]["image"] == "kvroute/kvroute@sha256:" + "ab" * 32
+    endpoint = find(objects, "ServiceMonitor")["spec"]["endpoints"][0]
+    monitor = values["monitoring"]["serviceMonitor"]
+    assert endpoint["relabelings"] == monitor["relabelings"]
+    assert endpoint["metricRelabelings"] == monitor["metricRelabelings"]
+    assert pod_spec(render({}))["containers"][0]["image"].startswith("kvroute/kvroute:")
+    assert (
+        "relabelings"
+        not in find(render(VALUES_SETS["monitoring_on"]), "ServiceMonitor")["spec"]["endpoints"][0]
+    )
 
 
 def test_deployment_probes_drain_and_runs_unprivileged():
     objects = render({})
     spec = pod_spec(objects)
     container = spec["containers"][0]
+    assert container["startupProbe"]["httpGet"]["path"] == "/health"
+    startup = container["startupProbe"]
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 60  # a slow start is not a death
     assert container["livenessProbe"]["httpGet"]["path"] == "/health"
     assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
     drain = container["lifecycle"]["preStop"]["sleep"]["seconds"]
@@ -292,9 +390,35 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
     shipped = json.loads((CHART / "dashboards" / "kvroute.json").read_text())
     assert json.loads(dashboard["data"]["kvroute.json"]) == shipped
 
+    # NOTES tell how Grafana's sidecar finds it: which namespace to watch, for which label.
+    with helm.Chart.load(CHART) as chart:
+        labels = {"monitoring": {"dashboard": {"labels": {"team_dashboards": "llm"}}}}
+        notes = chart.render(labels, name=RELEASE, namespace=NAMESPACE)["kvroute/templates/NOTES.txt"]
+    assert f"ConfigMap {FULLNAME}-dashboard in namespace {NAMESPACE}" in notes
+    assert 'team_dashboards="llm"' in notes and "searchNamespace" in notes
+
     off = render(VALUES_SETS["monitoring_off"])
     assert [o for o in off if o["kind"] == "ConfigMap"] == [find(off, "ConfigMap")]
     assert "ServiceMonitor" not in kinds(off)
+
+
+def test_a_metrics_port_of_its_own_is_what_prometheus_scrapes_and_only_it_may():
+    values = VALUES_SETS["metrics_port"]
+    objects = render(values)
+    listen = router_config(objects).metrics.listen
+    assert listen is not None and (listen.host, listen.port) == ("0.0.0.0", 9090)
+    ports = {p["name"]: p["containerPort"] for p in pod_spec(objects)["containers"][0]["ports"]}
+    assert ports == {"http": 8080, "metrics": 9090}
+    service_ports = {p["name"]: p["targetPort"] for p in find(objects, "Service")["spec"]["ports"]}
+    assert service_ports == {"http": "http", "metrics": "metrics"}
+    assert find(objects, "ServiceMonitor")["spec"]["endpoints"][0]["port"] == "metrics"
+    rules = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    policy = values["networkPolicy"]
+    assert rules == [
+        {"ports": [{"port": "http", "protocol": "TCP"}], "from": policy["ingressFrom"]},
+        {"ports": [{"port": "metrics", "protocol": "TCP"}], "from": policy["metricsFrom"]},
+    ]
+    assert router_config(render({})).metrics.listen is None
 
 
 @pytest.mark.parametrize(
@@ -312,6 +436,11 @@ def test_dashboard_configmap_carries_the_dashboard_for_the_sidecar():
         ),
         ({"redis": {"enabled": True, "mode": "external"}}, "/redis/external/url"),
         ({"replicas": 3}, "replicas"),
+        ({"image": {"digest": "latest"}}, "/image/digest"),
+        (
+            {"config": {"backends": [{"name": "a", "url": "http://a"}], "metrics": {"listen": {"port": 1}}}},
+            "/config/metrics",
+        ),
         # The config's own schema (generated from its types): a typo fails here, not at the pod's start.
         ({"config": {"routing": {"polcy": "cost"}}}, "'/config/routing': additional properties 'polcy'"),
         ({"config": {"index": {"redis": {"timeout_ms": 0}}}}, "/config/index/redis/timeout_ms"),

@@ -1,4 +1,4 @@
-"""The house rules of the layout (DESIGN.md, "Layout"), checked on the source itself.
+"""The house rules of the layout (docs/architecture.md, "Layout"), checked on the source itself.
 
 The import graph is read from every module's AST, imports inside functions and under
 ``TYPE_CHECKING`` included: a cycle hidden in a function body is still a cycle for a reader.

@@ -14,7 +14,7 @@ from router.metrics import RedisMetrics, RouterMetrics
 from router.request_path.beliefs import BeliefMetrics
 from tests.helpers import backends_of, scrape, total
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+METRICS_DOC = Path(__file__).resolve().parent.parent / "docs" / "metrics.md"
 
 MODEL = "sim-model"
 PROMPT = "Tell me a story about a lighthouse keeper. " * 20  # several 256-character blocks
@@ -62,8 +62,8 @@ async def test_index_lookups_and_evictions(fleet, make_router, http):
     assert total(samples, "kvroute_index_blocks") == 2
 
 
-def test_readme_documents_every_metric_with_its_type():
-    """The README's Metrics table and the registries cannot drift apart."""
+def test_docs_document_every_metric_with_its_type():
+    """docs/metrics.md's table and the registries cannot drift apart."""
     registry = RouterMetrics().registry
     RedisMetrics(registry)
     BeliefMetrics(registry)
@@ -71,8 +71,8 @@ def test_readme_documents_every_metric_with_its_type():
     RateLimiter(TenantLimits(), {}, registry)
     reload_counter(registry)
     exposed = {family.name: family.type for family in registry.collect()}
-    section = README.read_text().split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    rows = re.findall(r"^\| `(kvroute_[a-z_]+)` \| (\w+) \|", section, flags=re.MULTILINE)
+    section = METRICS_DOC.read_text().split("\n## ", 1)[0]
+    rows = re.findall(r"^\| `((?:kvroute|process)_[a-z_]+)` \| (\w+) \|", section, flags=re.MULTILINE)
     documented = {name.removesuffix("_total") if kind == "counter" else name: kind for name, kind in rows}
     # The index's eviction count is read from the index at scrape time (RouterMetrics.watch_index).
     exposed["kvroute_index_evictions"] = "counter"

@@ -2,7 +2,7 @@
 
 Functional checks only (the benchmark's numbers are never asserted): responses are parsed
 right however they are split, streams are counted, connections are reused, the contenders'
-configs are what the README says, and one tiny run of the command ends with its tables.
+configs are what docs/benchmarks say, and one tiny run of the command ends with its tables.
 """
 
 from __future__ import annotations

@@ -52,6 +52,10 @@ def test_workers_refuse_what_they_cannot_serve():
     assert refusal(config(listen=listen, index=redis), 4) is None
     assert "needs index.store: redis" in refusal(config(listen=listen), 4)
     assert "fixed listen.port" in refusal(config(listen={"port": 0}, index=redis), 4)
+    assert "fixed metrics.listen port" in refusal(
+        config(listen=listen, index=redis, metrics={"listen": {"port": 0}}), 4
+    )
+    assert refusal(config(listen=listen, index=redis, metrics={"listen": {"port": 9091}}), 4) is None
     admin = {"listen": {"host": "127.0.0.1", "port": 9090}}
     assert "admin.listen" in refusal(config(listen=listen, index=redis, admin=admin), 4)
     assert "positive" in refusal(config(listen=listen), 0)

@@ -1,4 +1,4 @@
-"""The Redis benchmark runs end to end on a tiny trace (its figures are for the README, not asserted)."""
+"""The Redis benchmark runs end to end on a tiny trace (its figures are for docs/benchmarks, not asserted)."""
 
 from __future__ import annotations
 

@@ -2,32 +2,19 @@
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.helpers import open_index, sample
+from tests.helpers import make_certificates, open_index, sample
 from tests.redis_servers import RedisServer, free_port, redis_server
-
-
-def openssl(*args: str, cwd: Path) -> None:
-    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
 
 
 @pytest.fixture(scope="module")
 def certificates(tmp_path_factory) -> Path:
     """A throwaway CA and a server certificate for 127.0.0.1 signed by it."""
-    d = tmp_path_factory.mktemp("tls")
-    openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kvroute test CA",
-            "-keyout", "ca.key", "-out", "ca.crt", cwd=d)  # fmt: skip
-    openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=127.0.0.1",
-            "-keyout", "server.key", "-out", "server.csr", cwd=d)  # fmt: skip
-    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
-    openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.crt", "-CAkey", "ca.key", "-CAcreateserial",
-            "-days", "1", "-extfile", "san.ext", "-out", "server.crt", cwd=d)  # fmt: skip
-    return d
+    return make_certificates(tmp_path_factory.mktemp("tls"))
 
 
 @pytest.fixture

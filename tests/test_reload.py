@@ -9,8 +9,11 @@ from typing import Any
 
 import aiohttp
 import pytest
+import yaml
 
+from router.config import ConfigSource
 from router.http.app import RUNTIME
+from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
 from tests.helpers import scrape, total, wait_for, wait_released
 
@@ -124,15 +127,24 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
             "index": {"block_size": 64},
             "limits": {"max_body_bytes": 1000},
             "routing": {"policy": "least_load"},
+            "metrics": {"listen": {"host": "127.0.0.1", "port": 1}},
+            "upstream": {"tls": {"verify": False}},
         }
     )
     status, payload = await deployment.reload(http, ADMIN)
     assert status == 200
-    assert payload["restart_required"] == ["listen", "index", "limits.max_body_bytes"]
+    assert payload["restart_required"] == [
+        "listen",
+        "index",
+        "metrics",
+        "limits.max_body_bytes",
+        "upstream.tls",
+    ]
     assert payload["changed"] == ["routing"]
     assert await complete(http, deployment.server.url) == (200, "least_load")
     running = deployment.server.app[RUNTIME].config
     assert running.listen.port == 0 and running.index.block_size == 256
+    assert running.metrics.listen is None and running.upstream.tls.verify is True
 
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):
@@ -202,3 +214,24 @@ async def test_the_policy_is_built_once_per_load(engines, deploy, http, tmp_path
     assert counted.built == 3  # the new file's policy, built as it was loaded, is the one taken
     assert runtime.dispatcher.policy is runtime.config.policy is not started
     monkeypatch.delitem(sys.modules, module)
+
+
+async def test_a_reload_applies_the_command_lines_flags_over_the_file_again(engines, http, tmp_path):
+    """``kvroute serve --config FILE --policy least_load``: the reloaded file's other changes apply,
+    and the flag still wins over the file's policy."""
+    path = tmp_path / "kvroute.yaml"
+    path.write_text(yaml.safe_dump(base_config(engines)))
+    source = ConfigSource(str(path), {"routing": {"policy": "least_load"}})
+    server = RouterServer(source.load(), config_path=source)
+    await server.start()
+    try:
+        assert (await complete(http, server.url))[1] == "least_load"
+        path.write_text(yaml.safe_dump(base_config(engines, upstream={"max_attempts": 1})))
+        async with http.post(f"{server.url}/admin/reload", headers=ADMIN) as resp:
+            assert resp.status == 200, await resp.text()
+        runtime = server.app[RUNTIME]
+        assert runtime.config.upstream.max_attempts == 1
+        assert runtime.config.routing.policy == "least_load"
+        assert (await complete(http, server.url))[1] == "least_load"
+    finally:
+        await server.stop()

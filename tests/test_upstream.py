@@ -4,6 +4,8 @@ on loopback."""
 from __future__ import annotations
 
 import asyncio
+import socket
+import time
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -248,6 +250,33 @@ async def test_an_unreachable_backend_is_a_connect_failure() -> None:
     with pytest.raises(ConnectFailed) as caught:
         await pool().post(url, "/p", [], b"{}")
     assert caught.value.kind == "connect"
+    assert f"cannot connect to 127.0.0.1:{url.rsplit(':', 1)[1]}: " in str(caught.value)
+    assert "Errno 111" in str(caught.value)  # ECONNREFUSED: the reason is kept
+
+
+async def test_a_connect_timeout_says_it_timed_out_and_after_how_long() -> None:
+    """A listener whose accept queue is full (it never accepts) leaves a new connection's SYN
+    unanswered: connecting hangs until the connect timeout, on loopback."""
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen(0)
+        address = listener.getsockname()
+        fillers = [socket.socket() for _ in range(4)]
+        try:
+            for filler in fillers:
+                filler.setblocking(False)
+                filler.connect_ex(address)
+            slow = UpstreamPool(UpstreamConfig(connect_timeout_s=0.25))
+            started = time.monotonic()
+            with pytest.raises(ConnectFailed) as caught:
+                await slow.post(f"http://127.0.0.1:{address[1]}", "/p", [], b"{}")
+            waited = time.monotonic() - started
+        finally:
+            for filler in fillers:
+                filler.close()
+    assert caught.value.kind == "connect"
+    assert str(caught.value) == f"connecting to 127.0.0.1:{address[1]} timed out after 0.25 s"
+    assert waited >= 0.25
 
 
 async def test_a_header_value_with_a_line_break_is_never_sent() -> None:

@@ -21,6 +21,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import ssl
 import time
 from collections.abc import AsyncIterator, Sequence
 
@@ -28,7 +29,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.sim.cache import PrefixCache
-from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher
+from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher, require_zmq
 from loadtest.sim.metrics import CONTENT_TYPE, EngineMetrics
 from loadtest.sim.protocol import (
     DONE_FRAME,
@@ -59,13 +60,13 @@ def _error(error: ApiError) -> web.Response:
     return web.Response(body=error.body(), status=error.status, content_type="application/json")
 
 
-def _http_url(host: str, port: int) -> str:
+def _http_url(host: str, port: int, scheme: str = "http") -> str:
     """The URL clients use for a server bound to ``host:port`` (a wildcard bind means localhost)."""
     if host in ("", "0.0.0.0"):
         host = "127.0.0.1"
     elif host == "::":
         host = "::1"
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 class SimEngine:
@@ -118,6 +119,7 @@ class SimEngine:
         #: The KV event publisher, while started with ``kv_events``.
         self.publisher: KVEventPublisher | None = None
         if kv_events is not None:
+            require_zmq()  # fail here, naming the extra, rather than when the engine starts
             discovery = "/server_info" if kv_events == "sglang" else "/kv_event_sources"
             self.app.add_routes(
                 [
@@ -141,8 +143,9 @@ class SimEngine:
         """
         return {"name": self.name, "url": self.url, "rejected": self.rejected, **self.scheduler.stats()}
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
-        """Listen on ``host:port`` (0 picks a free port) and return the engine's URL."""
+    async def start(self, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None) -> str:
+        """Listen on ``host:port`` (0 picks a free port) and return the engine's URL; with ``tls``
+        (a server context) over HTTPS, as an engine behind a TLS-terminating sidecar is reached."""
         if self._runner is not None:
             raise RuntimeError("engine already started")
         runner = web.AppRunner(
@@ -150,13 +153,13 @@ class SimEngine:
         )
         await runner.setup()
         try:
-            await web.TCPSite(runner, host, port).start()
+            await web.TCPSite(runner, host, port, ssl_context=tls).start()
         except BaseException:
             await runner.cleanup()
             raise
         self._runner = runner
         bound_port = runner.addresses[0][1]
-        self.url = _http_url(host, bound_port)
+        self.url = _http_url(host, bound_port, "https" if tls is not None else "http")
         if self.kv_events_format is not None:
             await self._start_publisher(host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
         return self.url

@@ -28,18 +28,33 @@ import time
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 import msgspec
-import zmq
-import zmq.asyncio
 
 from router.fleet.settings import ENGINE_KINDS, EngineKind
+
+if TYPE_CHECKING:
+    import zmq.asyncio
 
 #: A simulated engine publishes its KV events in the format of one engine kind.
 Format = EngineKind
 FORMATS = ENGINE_KINDS
 
 _END_SEQ = b"\xff" * 8
+
+
+def require_zmq() -> ModuleType:
+    """pyzmq, imported only when an engine publishes (the `precise` extra's: the rest of the
+    simulator, and ``kvroute demo``, run without it)."""
+    try:
+        import zmq.asyncio
+    except ImportError:
+        raise RuntimeError("publishing KV events needs pyzmq: pip install 'kvroute[precise]'") from None
+    return zmq
+
+
 #: How long a restarted publisher retries binding the port its predecessor just released.
 _REBIND_TIMEOUT_S = 2.0
 
@@ -209,7 +224,8 @@ class KVEventPublisher:
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=buffer_steps)
         self._seq = itertools.count()
         self._drop = 0
-        self._ctx = zmq.asyncio.Context()
+        self._zmq = require_zmq()
+        self._ctx = self._zmq.asyncio.Context()
         self._pub: zmq.asyncio.Socket | None = None
         self._router: zmq.asyncio.Socket | None = None
         self._replay_task: asyncio.Task[None] | None = None
@@ -225,6 +241,7 @@ class KVEventPublisher:
         return f"tcp://{self.host}:{self.replay_port}"
 
     async def start(self) -> None:
+        zmq = self._zmq
         self._pub = self._ctx.socket(zmq.PUB)
         self._router = self._ctx.socket(zmq.ROUTER)
         for sock in (self._pub, self._router):
@@ -260,6 +277,7 @@ class KVEventPublisher:
         if self._drop:
             self._drop -= 1
             return
+        zmq = self._zmq
         with contextlib.suppress(zmq.Again):
             # PUB never blocks: past the high-water mark ZMQ drops, like the engines' publishers.
             self._pub.send_multipart(
@@ -316,7 +334,7 @@ async def _bind(sock: zmq.asyncio.Socket, host: str, port: int) -> int:
         try:
             sock.bind(f"tcp://{host}:{port}")
             return port
-        except zmq.ZMQError:
+        except require_zmq().ZMQError:
             if time.monotonic() > deadline:
                 raise
             await asyncio.sleep(0.02)

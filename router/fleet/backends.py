@@ -8,20 +8,29 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 from policies.types import BackendView
 from router.fleet.circuit import CircuitBreaker
 from router.fleet.engines.base import EngineStats
-from router.fleet.settings import BackendConfig, HealthConfig
+from router.fleet.settings import BackendConfig, BackendTLSConfig, HealthConfig
+from router.fleet.tls import backend_tls
 from router.metrics import RouterMetrics
 
 
 class Backend:
-    def __init__(self, config: BackendConfig, health: HealthConfig | None = None) -> None:
+    def __init__(
+        self,
+        config: BackendConfig,
+        health: HealthConfig | None = None,
+        tls: BackendTLSConfig | None = None,
+    ) -> None:
         health = health or HealthConfig()
         self.config = config
         self.name = config.name
         self.url = config.url.rstrip("/")
+        #: For an ``https://`` URL, its TLS settings (its own ``tls``, else ``tls``: upstream.tls).
+        self.tls = backend_tls(self.url, config.tls or tls or BackendTLSConfig())
         #: Configured models, or those last read from the backend's ``/v1/models``.
         self.models: frozenset[str] = frozenset(config.models or ())
         #: Out of rotation until its first successful check (done before the router listens).
@@ -48,6 +57,11 @@ class Backend:
         #: The engine's last scrape, shown to policies until ``engine_fresh_until`` (monotonic).
         self.engine: EngineStats | None = None
         self.engine_fresh_until = 0.0
+        #: Why the last readable /metrics told nothing (its ``engine:`` adapter found none of its
+        #: metrics there), naming the engine it looks like when another adapter's are; else None.
+        self.engine_mismatch: str | None = None
+        #: Why its KV events look like another engine's (precise mode, router/kv_events/); else None.
+        self.kv_events_mismatch: str | None = None
 
     def record_failure(self, unhealthy_after: int) -> None:
         """A failed active check: after ``unhealthy_after`` in a row it leaves rotation."""
@@ -83,6 +97,10 @@ class Backend:
             return "draining"
         return self.circuit.state.name.lower()
 
+    def client_options(self) -> dict[str, Any]:
+        """Keyword arguments of an aiohttp request to this backend (its TLS, if any)."""
+        return self.tls.aiohttp_options() if self.tls is not None else {}
+
     @property
     def discovers_models(self) -> bool:
         return self.config.models is None
@@ -94,7 +112,7 @@ class Backend:
             self.name,
             in_flight=self.in_flight,
             healthy=self.healthy,
-            circuit_state=int(self.circuit.state),
+            circuit_state=self.circuit.state.name.lower(),
             draining=self.draining or self.terminating,
             waiting=engine.waiting if engine else None,
             running=engine.running if engine else None,
@@ -121,9 +139,16 @@ PoolListener = Callable[[Backend], None]
 
 
 class BackendPool:
-    def __init__(self, configs: Iterable[BackendConfig] = (), health: HealthConfig | None = None) -> None:
+    def __init__(
+        self,
+        configs: Iterable[BackendConfig] = (),
+        health: HealthConfig | None = None,
+        tls: BackendTLSConfig | None = None,
+    ) -> None:
         self.health = health or HealthConfig()
-        self._backends = {c.name: Backend(c, self.health) for c in configs}
+        #: TLS of backends without their own ``tls`` (``upstream.tls``), discovered ones included.
+        self.tls = tls or BackendTLSConfig()
+        self._backends = {c.name: Backend(c, self.health, self.tls) for c in configs}
         self._on_added: list[PoolListener] = []
         self._on_removed: list[PoolListener] = []
 
@@ -141,7 +166,7 @@ class BackendPool:
             if current.config == config:
                 return current
             self.remove(config.name)
-        backend = Backend(config, self.health)
+        backend = Backend(config, self.health, self.tls)
         self._backends[config.name] = backend
         for listener in self._on_added:
             listener(backend)

@@ -24,7 +24,7 @@ from collections.abc import Callable
 
 
 class CircuitState(enum.IntEnum):
-    """Values are the ``kvroute_backend_circuit_state`` gauge's."""
+    """Lower-cased, the names are the ``state`` label of ``kvroute_backend_circuit_state``."""
 
     CLOSED = 0
     HALF_OPEN = 1

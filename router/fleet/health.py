@@ -58,7 +58,9 @@ class HealthMonitor:
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         was_healthy = backend.healthy
         try:
-            async with self.session.get(f"{backend.url}/health", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{backend.url}/health", timeout=timeout, **backend.client_options()
+            ) as resp:
                 ok = resp.status == 200
                 await resp.read()
         except (aiohttp.ClientError, asyncio.TimeoutError):
@@ -83,7 +85,9 @@ class HealthMonitor:
             return
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
-            async with self.session.get(f"{backend.url}/v1/models", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{backend.url}/v1/models", timeout=timeout, **backend.client_options()
+            ) as resp:
                 payload = await resp.json(content_type=None)
             models = frozenset(
                 m["id"]

@@ -18,7 +18,7 @@ from collections.abc import Callable
 import aiohttp
 
 from router.fleet.backends import Backend, BackendPool
-from router.fleet.engines import ADAPTERS, EngineStats
+from router.fleet.engines import ADAPTERS, EngineStats, engine_speaking
 from router.fleet.settings import EngineMetricsConfig
 from router.metrics import RouterMetrics
 
@@ -55,7 +55,9 @@ class LoadScraper:
         adapter = ADAPTERS[backend.config.engine]
         timeout = aiohttp.ClientTimeout(total=self.config.timeout_s)
         try:
-            async with self.session.get(f"{backend.url}/metrics", timeout=timeout) as resp:
+            async with self.session.get(
+                f"{backend.url}/metrics", timeout=timeout, **backend.client_options()
+            ) as resp:
                 resp.raise_for_status()
                 text = await resp.text()
             stats = adapter.parse(text)
@@ -70,6 +72,26 @@ class LoadScraper:
         if backend.name in self._failing:
             self._failing.discard(backend.name)
             log.info("backend %s: /metrics readable again", backend.name)
+        self._check_engine(backend, adapter.speaks(text), text)
         backend.set_engine_stats(stats, self.config.stale_after_s)
         if self.on_stats is not None:
             self.on_stats(backend, stats)
+
+    def _check_engine(self, backend: Backend, speaks: bool, text: str) -> None:
+        """Say once (log, ``kvroute_backend_engine_mismatch``, ``/admin/backends``) that a backend's
+        /metrics holds nothing its ``engine:`` reads: a wrong kind would otherwise leave its load
+        unknown in silence. Said again only after it has been right in between."""
+        engine = backend.config.engine
+        mismatch = None
+        if not speaks:
+            looks_like = engine_speaking(text)
+            mismatch = f"/metrics holds none of the {engine} metrics kvroute reads" + (
+                f"; it looks like {looks_like}: set engine: {looks_like}" if looks_like else ""
+            )
+        if mismatch != backend.engine_mismatch:
+            if mismatch is not None:
+                log.warning("backend %s (engine: %s): %s", backend.name, engine, mismatch)
+            elif backend.engine_mismatch is not None:
+                log.info("backend %s: /metrics now holds %s metrics", backend.name, engine)
+            backend.engine_mismatch = mismatch
+        self.metrics.engine_mismatch.labels(backend.name).set(0 if mismatch is None else 1)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import ipaddress
 import os
+import ssl
 import typing
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
@@ -38,11 +39,73 @@ Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 @dataclass(frozen=True)
+class BackendTLSConfig:
+    """TLS to engines served at ``https://`` URLs (``backends[].tls``, default ``upstream.tls``).
+
+    Used by every connection to the engine: requests, health checks, ``/v1/models``, metric
+    scrapes and KV event discovery. Each file is read when the config loads (a reload reads it
+    again), so a mistake is reported at load, by its path.
+    """
+
+    #: PEM bundle of the CAs that sign the engines' certificates (a private CA); default: the
+    #: system's trust store.
+    ca_file: str | None = None
+    #: Client certificate and its key (PEM), for engines that ask for one (mutual TLS).
+    cert_file: str | None = None
+    key_file: str | None = None
+    #: Verify the engine's certificate and name. Off only for a test bench: anyone between the
+    #: router and the engine could then read and change prompts and answers.
+    verify: bool = True
+    #: The name sent as SNI and checked against the certificate; default: the URL's host. For
+    #: engines reached by IP address or by a name their certificate does not carry.
+    server_name: NonEmptyStr | None = None
+
+    def validate(self) -> list[str]:
+        if (self.cert_file is None) != (self.key_file is None):
+            return ["cert_file: give cert_file and key_file together"]
+        problems = [
+            f"{key}: cannot read {path}"
+            for key, path in (
+                ("ca_file", self.ca_file),
+                ("cert_file", self.cert_file),
+                ("key_file", self.key_file),
+            )
+            if path is not None and not os.access(path, os.R_OK)
+        ]
+        if problems:
+            return problems
+        try:
+            context = ssl.create_default_context(cafile=self.ca_file)
+        except (ssl.SSLError, OSError) as exc:
+            return [f"ca_file: not a PEM bundle of CA certificates ({exc})"]
+        if self.cert_file is not None:
+            try:
+                context.load_cert_chain(self.cert_file, self.key_file)
+            except (ssl.SSLError, OSError) as exc:
+                return [f"cert_file: cannot load it with key_file ({exc})"]
+        return []
+
+
+def client_context(tls: BackendTLSConfig) -> ssl.SSLContext:
+    """The client side of TLS as ``tls`` says, built anew (the files are read now)."""
+    context = ssl.create_default_context(cafile=tls.ca_file)
+    if tls.cert_file is not None:
+        context.load_cert_chain(tls.cert_file, tls.key_file)
+    if not tls.verify:
+        context.check_hostname = False
+        context.verify_mode = ssl.CERT_NONE
+    return context
+
+
+@dataclass(frozen=True)
 class BackendConfig:
     """One entry of ``backends``: an engine the router sends requests to."""
 
+    #: Unique; names the backend in metrics, logs and the ``x-kvroute-backend`` response header.
     name: NonEmptyStr
+    #: Base URL of its OpenAI-compatible server, ``http://`` or ``https://``.
     url: HttpUrl
+    #: The engine it runs: which ``/metrics`` names and KV event format it speaks.
     engine: EngineKind = "vllm"
     #: Models served; when absent they are read from the backend's ``/v1/models``.
     models: list[NonEmptyStr] | None = None
@@ -57,7 +120,10 @@ class BackendConfig:
     #: in place of the client's; given inline or as the name of an environment variable. Never
     #: shown by the admin API, never logged (``repr=False``), never returned to clients.
     api_key: str | None = field(default=None, repr=False)
+    #: ... or the name of the environment variable holding it (at most one of the two).
     api_key_env: str | None = None
+    #: TLS to this engine (an ``https://`` URL); absent: ``upstream.tls``.
+    tls: BackendTLSConfig | None = None
 
     @property
     def upstream_api_key(self) -> str | None:
@@ -183,6 +249,7 @@ class DiscoveryConfig:
     chosen one needs (a name to resolve, a label selector) is required only for it.
     """
 
+    #: Where backends come from: ``static`` (the ``backends`` list), ``dns`` or ``kubernetes``.
     kind: Literal["static", "dns", "kubernetes"] = "static"
     dns: DnsDiscoveryConfig = field(default_factory=DnsDiscoveryConfig)
     kubernetes: KubernetesDiscoveryConfig = field(default_factory=KubernetesDiscoveryConfig)

@@ -47,6 +47,8 @@ def describe(backend: Backend, index: PrefixIndex | None = None) -> dict[str, ob
         "engine_running": engine.running if engine else None,
         "kv_usage": engine.kv_usage if engine else None,
         "engine_capacity_tokens": engine.capacity_tokens if engine else None,
+        "engine_mismatch": backend.engine_mismatch,
+        "kv_events_mismatch": backend.kv_events_mismatch,
     }
     if index is not None:
         view["index_blocks"] = index.blocks_of(backend.name)

@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
 
 import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from router.config import Config
+from router.config import Config, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import start_shared_load
@@ -25,9 +25,9 @@ from router.http.admin import admin_routes
 from router.http.auth import auth_middleware
 from router.http.config_view import config_routes
 from router.http.reload import Runtime, reload_routes
+from router.http.worker_metrics import MetricsUnavailable, WorkerGroup, group_exposition
 from router.index import PrefixIndex
 from router.index.build import build_index
-from router.kv_events.subscriber import start_kv_events
 from router.metrics import RouterMetrics
 from router.request_path.dispatch import Dispatcher
 from router.request_path.proxy import Proxy
@@ -35,6 +35,8 @@ from router.request_path.request import CHAT, COMPLETIONS, TENANT, parse_request
 from router.request_path.upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.app")
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
 DISPATCHER = web.AppKey("dispatcher", Dispatcher)
 CONFIG = web.AppKey("config", Config)
@@ -45,6 +47,8 @@ INDEX = web.AppKey("index", PrefixIndex)
 RUNTIME = web.AppKey("runtime", Runtime)
 #: The admin API's own app when ``admin.listen`` puts it on a separate port (router/http/server.py).
 ADMIN_APP = web.AppKey("admin_app", web.Application)
+#: ``/metrics``' own app when ``metrics.listen`` puts it on a separate port (router/http/server.py).
+METRICS_APP = web.AppKey("metrics_app", web.Application)
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
@@ -121,24 +125,46 @@ async def ready(request: web.Request) -> web.Response:
     return _json({"status": "no healthy backend"}, status=503)
 
 
-async def metrics(request: web.Request) -> web.Response:
-    m, pool, index = request.app[METRICS], request.app[POOL], request.app[INDEX]
+def local_exposition(metrics: RouterMetrics, pool: BackendPool, index: PrefixIndex) -> bytes:
+    """This process's metrics, the backends' state gauges read from the live pool now."""
     for backend in pool:
-        backend.show(m)
+        backend.show(metrics)
         capacity = index.capacity_of(backend.name)
         if capacity is not None:
-            m.index_capacity.labels(backend.name).set(capacity)
-    m.index_blocks.set(index.size())
-    body = generate_latest(m.registry)
-    return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+            metrics.index_capacity.labels(backend.name).set(capacity)
+    metrics.index_blocks.set(index.size())
+    return generate_latest(metrics.registry)
 
 
-def build_app(config: Config, config_path: str | None = None) -> web.Application:
+def _metrics_handler(
+    metrics: RouterMetrics, pool: BackendPool, index: PrefixIndex, group: WorkerGroup | None
+) -> Handler:
+    """``GET /metrics``: this process's, or with ``serve --workers N`` the whole group's
+    (router/http/worker_metrics.py)."""
+
+    async def handler(request: web.Request) -> web.Response:
+        body = local_exposition(metrics, pool, index)
+        if group is not None:
+            try:
+                body = await group_exposition(body, group)
+            except MetricsUnavailable as exc:
+                log.warning("%s", exc)
+                raise OpenAIError(503, str(exc), code="metrics_unavailable") from None
+        return web.Response(body=body, headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    return handler
+
+
+def build_app(
+    config: Config, config_path: str | ConfigSource | None = None, group: WorkerGroup | None = None
+) -> web.Application:
     """The router as an aiohttp Application; its background work starts and stops with it.
 
-    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``).
+    ``config_path`` is the file a reload re-reads (SIGHUP, ``POST /admin/reload``), with the
+    command line's settings on top when it is a :class:`ConfigSource`; ``group``: this process
+    is one of ``serve --workers N``'s (its ``/metrics`` reports them all).
     """
-    pool = BackendPool(config.backends, config.health)
+    pool = BackendPool(config.backends, config.health, config.upstream.tls)
     router_metrics = RouterMetrics()
     runtime = Runtime(config, pool, router_metrics.registry, config_path)
     # Client keys on /v1/, the admin key on /admin/ (router/http/auth.py), read through the runtime
@@ -173,7 +199,12 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
             await upkeep.start()
             await index.start()
             shared_load = start_shared_load(index, pool)
-            kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            kv_events = None
+            if config.index.mode == "events":
+                # Imported only in precise mode: pyzmq is the `precise` extra's, not a dependency.
+                from router.kv_events.subscriber import start_kv_events
+
+                kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
             try:
                 yield
             finally:
@@ -191,7 +222,13 @@ def build_app(config: Config, config_path: str | None = None) -> web.Application
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)
-    app.router.add_get("/metrics", metrics)
+    metrics = _metrics_handler(router_metrics, pool, index, group)
+    if config.metrics.listen is None:
+        app.router.add_get("/metrics", metrics)
+    else:
+        metrics_app = web.Application(middlewares=[openai_errors])
+        metrics_app.router.add_get("/metrics", metrics)
+        app[METRICS_APP] = metrics_app
     admin = admin_routes(pool, index) + reload_routes(runtime) + config_routes(runtime)
     if config.admin.listen is None:
         app.router.add_routes(admin)

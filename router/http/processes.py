@@ -24,10 +24,14 @@ pipe, which sends SIGHUP to every *other* worker: all of them end on the same fi
 one that answered does not reload twice. A pipe rather than a signal to the parent, because
 a signal does not say who sent it.
 
-State that is not in Redis stays per worker: ``/metrics`` and the admin API answer for the
-worker that takes the connection (``GET /admin/config`` names it by ``pid``; an admin
-``listen`` port of its own is refused, as every worker would bind it), except reloads,
-which reach every worker as said above.
+``/metrics`` reports the whole group whichever worker takes the scrape: that worker asks the
+others for theirs over Unix sockets in a private directory the supervisor makes, and sums
+them (router/http/worker_metrics.py says how, and why not prometheus_client's multiprocess
+mode); a ``metrics.listen`` port of its own is bound by every worker (SO_REUSEPORT) alike.
+Other state that is not in Redis stays per worker: the admin API answers for the worker that
+takes the connection (``GET /admin/config`` names it by ``pid``; an admin ``listen`` port of
+its own is refused, as every worker would bind it), except reloads, which reach every worker
+as said above.
 """
 
 from __future__ import annotations
@@ -37,11 +41,13 @@ import multiprocessing
 import os
 import signal
 import sys
+import tempfile
 from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
-from router.config import Config
+from router.config import Config, ConfigSource
+from router.http.worker_metrics import WorkerGroup
 
 log = logging.getLogger("kvroute.workers")
 
@@ -65,6 +71,12 @@ def refusal(config: Config, workers: int) -> str | None:
         )
     if config.listen.port == 0:
         return "--workers needs a fixed listen.port: with port 0 every worker would listen on a different one"
+    metrics_listen = config.metrics.listen
+    if metrics_listen is not None and metrics_listen.port == 0:
+        return (
+            "--workers needs a fixed metrics.listen port: with port 0 every worker would listen on "
+            "a different one"
+        )
     if config.admin.listen is not None:
         return (
             "--workers cannot serve admin.listen: every worker would bind that port. Serve the admin "
@@ -73,7 +85,9 @@ def refusal(config: Config, workers: int) -> str | None:
     return None
 
 
-def _process_main(config: Config, config_path: str | None, supervisor: Connection) -> None:
+def _process_main(
+    config: Config, config_path: str | ConfigSource | None, supervisor: Connection, group: WorkerGroup
+) -> None:
     from router.http.server import serve_forever
     from router.tasks import run_event_loop
 
@@ -87,10 +101,12 @@ def _process_main(config: Config, config_path: str | None, supervisor: Connectio
         except OSError as exc:  # the supervisor is gone: this worker is being stopped anyway
             log.warning("could not ask the other workers to reload: %s", exc)
 
-    run_event_loop(serve_forever(config, config_path, reuse_port=True, reload_peers=reload_peers))
+    run_event_loop(
+        serve_forever(config, config_path, reuse_port=True, reload_peers=reload_peers, group=group)
+    )
 
 
-def serve_processes(config: Config, workers: int, config_path: str | None = None) -> int:
+def serve_processes(config: Config, workers: int, config_path: str | ConfigSource | None = None) -> int:
     """Run ``workers`` worker processes until a signal (exit 0) or a worker's death (exit 1).
 
     Each worker drains on SIGTERM/SIGINT and reloads ``config_path`` on SIGHUP, as a single
@@ -99,8 +115,14 @@ def serve_processes(config: Config, workers: int, config_path: str | None = None
     """
     context = multiprocessing.get_context("spawn")
     pipes = [context.Pipe(duplex=False) for _ in range(workers)]
+    # The workers' metrics sockets (router/http/worker_metrics.py): private to this user (0700).
+    sockets = tempfile.TemporaryDirectory(prefix="kvroute-workers-")
     processes = [
-        context.Process(target=_process_main, args=(config, config_path, sender), name=f"kvroute-worker-{i}")
+        context.Process(
+            target=_process_main,
+            args=(config, config_path, sender, WorkerGroup(sockets.name, i, workers)),
+            name=f"kvroute-worker-{i}",
+        )
         for i, (_, sender) in enumerate(pipes)
     ]
     #: Each worker's pipe end, read here: a worker asking the others to reload.
@@ -167,4 +189,5 @@ def serve_processes(config: Config, workers: int, config_path: str | None = None
             signal.signal(sig, handler)
         for receiver in requests:
             receiver.close()
+        sockets.cleanup()
     return 0 if stopping else 1

@@ -13,7 +13,8 @@ What applies live, and why the rest needs a restart:
   otherwise), ``backends`` (with static discovery: added, removed, or replaced when their
   entry changed), ``upstream`` timeouts and attempts, ``tenancy``, ``limits`` rates and
   caps, ``auth`` keys, the ``admin`` key, ``log_level``.
-* restart: ``listen`` and ``admin.listen`` (sockets), ``index`` (the index and its hashing
+* restart: ``listen``, ``admin.listen`` and ``metrics`` (sockets), ``upstream.tls`` (the TLS of
+  backends without their own, built with them), ``index`` (the index and its hashing
   define what every stored belief means), ``discovery``, ``health``, ``engine_metrics``
   (background loops built at start), and ``limits`` body and header sizes (fixed in the
   HTTP server). A reload that changes them applies everything else, keeps their running
@@ -30,7 +31,7 @@ from typing import TYPE_CHECKING
 from aiohttp import web
 from prometheus_client import CollectorRegistry, Counter
 
-from router.config import Config, ConfigError, ConfigFile, load_config
+from router.config import Config, ConfigError, ConfigFile, ConfigSource
 from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.http.auth import AdminKey, KeyStore
@@ -42,7 +43,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.reload")
 
 #: Sections a running router cannot change (see the module docstring).
-RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics")
+RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics")
 #: ``limits`` keys fixed in the HTTP server at start.
 RESTART_LIMITS = ("max_body_bytes", "max_line_size", "max_field_size", "max_headers")
 
@@ -65,12 +66,19 @@ class Runtime:
     """
 
     def __init__(
-        self, config: Config, pool: BackendPool, registry: CollectorRegistry, path: str | None = None
+        self,
+        config: Config,
+        pool: BackendPool,
+        registry: CollectorRegistry,
+        source: str | ConfigSource | None = None,
     ) -> None:
         self.config = config
         self.pool = pool
-        #: The file to re-read on reload (None: started from a dict; reload is refused).
-        self.path = path
+        #: What a reload reads again: the file, with the command line's settings on top (None:
+        #: started from a dict; reload is refused).
+        self.source = ConfigSource(source) if isinstance(source, str) else source
+        #: The file a reload re-reads (None: no file; reload is refused).
+        self.path = self.source.path if self.source is not None else None
         self.keys = KeyStore(config.auth, config.tenancy)
         self.admin_key = AdminKey(config.admin.admin_key())
         self.limiter = RateLimiter(config.limits.tenant_default, config.limits.tenant_limits(), registry)
@@ -83,10 +91,10 @@ class Runtime:
 
     def reload_file(self) -> dict[str, object]:
         """Re-read ``path`` and apply it; ConfigError (nothing changed) when it is invalid."""
-        if self.path is None:
+        if self.source is None or self.source.path is None:
             raise ConfigError("the router was not started from a config file; nothing to reload")
         try:
-            new = load_config(self.path)
+            new = self.source.load()
         except ConfigError as exc:
             self.reloads.labels("refused").inc()
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)
@@ -116,6 +124,8 @@ class Runtime:
         restart += [f"limits.{k}" for k in RESTART_LIMITS if getattr(old.limits, k) != getattr(new.limits, k)]
         if old.admin.listen != new.admin.listen:
             restart.append("admin.listen")
+        if old.upstream.tls != new.upstream.tls:
+            restart.append("upstream.tls")
         backends_live = old.discovery.kind == "static"
         if not backends_live and old.backends != new.backends:
             restart.append("backends")
@@ -147,10 +157,12 @@ class Runtime:
     def _keep_restart_only(old: Config, new: Config) -> Config:
         limits = dataclasses.replace(new.limits, **{k: getattr(old.limits, k) for k in RESTART_LIMITS})
         admin = dataclasses.replace(new.admin, listen=old.admin.listen)
+        # The pool's default TLS is that of the backends it built (router/fleet/backends.py).
+        upstream = dataclasses.replace(new.upstream, tls=old.upstream.tls)
         kept = {s: getattr(old, s) for s in RESTART_SECTIONS}
         if old.discovery.kind != "static":
             kept["backends"] = old.backends
-        return dataclasses.replace(new, limits=limits, admin=admin, **kept)
+        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, **kept)
 
     def _sync_backends(self, config: Config) -> None:
         """Make the pool match ``backends``; a replaced backend keeps its health if its URL stayed."""

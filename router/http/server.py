@@ -6,24 +6,58 @@ import asyncio
 import contextlib
 import gc
 import signal
+import socket
 from collections.abc import Callable
 
 from aiohttp import web
 
-from router.config import Config, ConfigError
-from router.http.app import ADMIN_APP, RUNTIME, build_app
+from router.config import Config, ConfigError, ConfigSource
+from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
 from router.http.protocol_errors import OpenAIErrorRunner
 from router.http.server_log import HTTP_LOG
+from router.http.settings import ListenConfig
+from router.http.worker_metrics import WorkerGroup, serve_to_peers
+
+
+class ListenError(RuntimeError):
+    """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
+
+
+def check_listen(host: str, port: int) -> None:
+    """Bind and release ``host:port`` as the server will (``SO_REUSEADDR``), so that a taken port
+    is told at once, before the start's health checks and scrapes, in one line (ListenError).
+    Port 0 always binds. The server's own bind still reports a port taken in between."""
+    if port == 0:
+        return
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as exc:
+        raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror}") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind(address)
+        except OSError as exc:
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 class RouterServer:
     """The router listening on ``config.listen`` (port 0 picks a free one; see ``url``)."""
 
-    def __init__(self, config: Config, reuse_port: bool = False, config_path: str | None = None) -> None:
+    def __init__(
+        self,
+        config: Config,
+        reuse_port: bool = False,
+        config_path: str | ConfigSource | None = None,
+        group: WorkerGroup | None = None,
+    ) -> None:
         self.config = config
         #: SO_REUSEPORT: several worker processes listen on one port, the kernel spreads connections.
         self.reuse_port = reuse_port
-        self.app = build_app(config, config_path)
+        #: One of ``serve --workers N``'s processes: it answers the others' metrics requests.
+        self.group = group
+        self.app = build_app(config, config_path, group)
         limits = config.limits
         # handler_cancellation: when a client disconnects, its handler is cancelled, which
         # closes the upstream connection so the engine stops working for nobody.
@@ -54,7 +88,14 @@ class RouterServer:
             if admin_app is not None
             else None
         )
+        metrics_app = self.app.get(METRICS_APP)
+        self._metrics_runner = (
+            web.AppRunner(metrics_app, access_log=None) if metrics_app is not None else None
+        )
+        self._peer_runner: web.AppRunner | None = None
         self.port: int | None = None
+        #: ``/metrics``' own port, with ``metrics.listen`` (else it shares ``port``).
+        self.metrics_port: int | None = None
         #: The admin API's own port, with ``admin.listen`` (else it shares ``port``).
         self.admin_port: int | None = None
 
@@ -67,21 +108,52 @@ class RouterServer:
         site = web.TCPSite(
             self._runner, self.config.listen.host, self.config.listen.port, reuse_port=self.reuse_port or None
         )
-        await site.start()
+        await self._bind(site, self.config.listen.host, self.config.listen.port)
         self.port = self._runner.addresses[0][1]
         admin_listen = self.config.admin.listen
         if self._admin_runner is not None and admin_listen is not None:
             await self._admin_runner.setup()
-            await web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port).start()
+            admin_site = web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port)
+            await self._bind(admin_site, admin_listen.host, admin_listen.port)
             self.admin_port = self._admin_runner.addresses[0][1]
+        metrics_listen = self.config.metrics.listen
+        if self._metrics_runner is not None and metrics_listen is not None:
+            await self._metrics_runner.setup()
+            # Every worker binds it too (SO_REUSEPORT): whichever answers reports the group.
+            reuse = self.reuse_port or None
+            metrics_site = web.TCPSite(
+                self._metrics_runner, metrics_listen.host, metrics_listen.port, reuse_port=reuse
+            )
+            await self._bind(metrics_site, metrics_listen.host, metrics_listen.port)
+            self.metrics_port = self._metrics_runner.addresses[0][1]
+        if self.group is not None:
+            app = self.app
+            self._peer_runner = await serve_to_peers(
+                self.group, lambda: local_exposition(app[METRICS], app[POOL], app[INDEX])
+            )
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` answers: its own listener if configured, else the main one."""
+        return self._side_url(self.config.metrics.listen, self.metrics_port)
+
+    async def _bind(self, site: web.TCPSite, host: str, port: int) -> None:
+        """Start listening; a socket that cannot be bound stops what started and says where."""
+        try:
+            await site.start()
+        except OSError as exc:
+            await self.stop()
+            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
     @property
     def admin_url(self) -> str:
         """Where the admin API answers: its own listener if configured, else the main one."""
-        if self.admin_port is None:
+        return self._side_url(self.config.admin.listen, self.admin_port)
+
+    def _side_url(self, listen: ListenConfig | None, port: int | None) -> str:
+        if listen is None or port is None:
             return self.url
-        host = self.config.admin.listen.host  # type: ignore[union-attr]
-        return f"http://{host}:{self.admin_port}"
+        return f"http://{listen.host}:{port}"
 
     def reload(self) -> None:
         """Re-read the config file (SIGHUP); an invalid file is logged and changes nothing."""
@@ -90,9 +162,13 @@ class RouterServer:
             self.app[RUNTIME].reload_file()
 
     async def stop(self) -> None:
-        if self._admin_runner is not None:
-            await self._admin_runner.cleanup()
+        for side in (self._admin_runner, self._metrics_runner):
+            if side is not None:
+                await side.cleanup()
         await self._runner.cleanup()
+        # Last: while this worker drains, the others' scrapes still get its numbers.
+        if self._peer_runner is not None:
+            await self._peer_runner.cleanup()
 
     async def __aenter__(self) -> RouterServer:
         await self.start()
@@ -123,9 +199,10 @@ def tune_gc() -> None:
 
 async def serve_forever(
     config: Config,
-    config_path: str | None = None,
+    config_path: str | ConfigSource | None = None,
     reuse_port: bool = False,
     reload_peers: Callable[[], None] | None = None,
+    group: WorkerGroup | None = None,
 ) -> None:
     """Serve until SIGTERM or SIGINT, then drain: stop listening, let in-flight responses finish.
 
@@ -134,13 +211,14 @@ async def serve_forever(
     are cancelled after it), which is what Kubernetes expects between SIGTERM and the end of
     the pod's grace period. SIGHUP reloads ``config_path`` (router/http/reload.py). ``reuse_port``:
     one of ``kvroute serve --workers N``'s processes (router/http/processes.py), whose
-    ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers.
+    ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers, and ``group`` says
+    where the others answer for their metrics.
     """
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
-    async with RouterServer(config, reuse_port=reuse_port, config_path=config_path) as server:
+    async with RouterServer(config, reuse_port=reuse_port, config_path=config_path, group=group) as server:
         server.app[RUNTIME].reload_peers = reload_peers
         loop.add_signal_handler(signal.SIGHUP, server.reload)
         # A worker starts with SIGHUP blocked (router/http/processes.py); a reload asked meanwhile runs now.
@@ -149,4 +227,6 @@ async def serve_forever(
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)
         if server.admin_port is not None:
             print(f"kvroute admin API on {server.admin_url}", flush=True)
+        if server.metrics_port is not None:
+            print(f"kvroute metrics on {server.metrics_url}/metrics", flush=True)
         await stop.wait()

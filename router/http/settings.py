@@ -32,7 +32,9 @@ ListenPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 class ListenConfig:
     """``listen`` (and ``admin.listen``): where the router accepts connections."""
 
+    #: Address to listen on (0.0.0.0: every interface).
     host: str = "127.0.0.1"
+    #: Port to listen on; 0 picks a free one (printed at start).
     port: ListenPort = 8080
     #: On SIGTERM: stop accepting, then give in-flight responses this long before exiting anyway.
     drain_timeout_s: NonNegativeFloat = 60.0
@@ -111,8 +113,11 @@ class AuthConfig:
     the config is validated (at start and on each reload) and again when the keys are applied.
     """
 
+    #: Tenant name -> its key, or a list of its keys.
     keys: dict[str, TenantKeys] = field(default_factory=dict, repr=False)
+    #: A YAML file of the same mapping.
     keys_file: str | None = None
+    #: A directory of one file per tenant (a mounted Secret), holding its keys one per line.
     keys_dir: str | None = None
     #: With keys configured, still take the tenant from ``tenancy.header`` when present: only
     #: for a trusted gateway in front that sets it (clients could otherwise pick any tenant).
@@ -183,7 +188,9 @@ class AdminConfig:
     #: The admin key, inline, from an environment variable, or from a file (at most one). Without
     #: one the admin API is open to whoever reaches it: bind it to a private ``listen`` then.
     key: NonEmptyStr | None = field(default=None, repr=False)
+    #: ... or the name of an environment variable holding it.
     key_env: str | None = None
+    #: ... or a file holding it (at most one of ``key``, ``key_env``, ``key_file``).
     key_file: str | None = None
     #: ``{host, port}`` to serve the admin API on its own listener (and not on the main one).
     listen: ListenConfig | None = None
@@ -208,3 +215,13 @@ class AdminConfig:
             except OSError as exc:
                 return [f"key_file: cannot read {self.key_file}: {exc.strerror}"]
         return []
+
+
+@dataclass(frozen=True)
+class MetricsConfig:
+    """``metrics``: where Prometheus scrapes ``/metrics``."""
+
+    #: ``{host, port}`` to serve ``/metrics`` on its own listener (and not on the main one): the
+    #: metrics then stay off the port clients reach. With ``serve --workers N`` every worker binds
+    #: it (SO_REUSEPORT), and whichever answers reports the whole group (router/http/worker_metrics.py).
+    listen: ListenConfig | None = None

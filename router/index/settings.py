@@ -8,6 +8,7 @@ nothing of ``router`` but other wings' settings (``index.redis``, ``index.events
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -24,6 +25,7 @@ from router.request_path.settings import TokenizerConfig
 class IndexConfig:
     """``index``: the prefix index (see README "How a request is routed")."""
 
+    #: Where beliefs live: ``memory`` (this process) or ``redis`` (shared by replicas; ``index.redis``).
     store: Literal["memory", "redis"] = "memory"
     #: Block size of the prefix chain in characters (UTF-8 bytes) of the prompt as the engine sees it.
     block_size: PositiveInt = 256
@@ -55,6 +57,18 @@ class IndexConfig:
         if self.mode != "events":
             return []
         problems = [f"tokenizer.{problem}" for problem in self.tokenizer.missing()]
+        if not _importable("zmq"):
+            problems.append(
+                "mode: events subscribes to the engines over ZMQ: needs pyzmq; install kvroute[precise]"
+            )
         if self.store != "memory":
             problems.append("store: mode events keeps its index in memory (each replica subscribes)")
         return problems
+
+
+def _importable(module: str) -> bool:
+    try:
+        importlib.import_module(module)
+    except ImportError:
+        return False
+    return True

@@ -10,6 +10,7 @@ host it reaches the engine's HTTP server at. Rank r of a DP engine publishes on 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
@@ -114,14 +115,20 @@ def _sglang_sources(backend: str, host: str, payload: Any) -> list[EventSource]:
 
 
 async def discover_sources(
-    session: aiohttp.ClientSession, backend: str, url: str, engine: str, timeout_s: float
+    session: aiohttp.ClientSession,
+    backend: str,
+    url: str,
+    engine: str,
+    timeout_s: float,
+    options: Mapping[str, Any] | None = None,
 ) -> list[EventSource]:
-    """Ask the engine at ``url`` where it publishes; DiscoveryError when it cannot say."""
+    """Ask the engine at ``url`` where it publishes; DiscoveryError when it cannot say.
+    ``options``: more keyword arguments of the request (the backend's TLS)."""
     path = "/server_info" if engine == "sglang" else "/kv_event_sources"
     host = urlsplit(url).hostname or "127.0.0.1"
     try:
         async with session.get(
-            url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=timeout_s)
+            url.rstrip("/") + path, timeout=aiohttp.ClientTimeout(total=timeout_s), **(options or {})
         ) as resp:
             if resp.status != 200:
                 raise DiscoveryError(f"GET {path} answered {resp.status}")

@@ -27,6 +27,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from collections.abc import Callable, Mapping
+from typing import Any
 
 import aiohttp
 import zmq
@@ -36,9 +38,11 @@ from zmq.utils.monitor import parse_monitor_message
 
 from router.config import Config
 from router.fleet.backends import Backend, BackendPool
+from router.fleet.settings import ENGINE_KINDS, EngineKind
 from router.index import PrefixIndex
 from router.index.precise import PreciseIndex
 from router.kv_events.decode import AllBlocksCleared, DecodeError, decode_batch, parse_live, parse_replay
+from router.kv_events.engine_shape import engine_of_batch
 from router.kv_events.metrics import KVEventMetrics
 from router.kv_events.settings import EndpointConfig, EventsConfig
 from router.kv_events.sources import DiscoveryError, EventSource, configured_sources, discover_sources
@@ -62,8 +66,14 @@ class StreamSubscriber:
         metrics: KVEventMetrics,
         ctx: zmq.asyncio.Context,
         replay_timeout_s: float,
+        engine: EngineKind | None = None,
+        on_wrong_engine: Callable[[EngineKind], None] | None = None,
     ) -> None:
         self.source = source
+        #: The backend's declared ``engine:``; batches whose hashes are of the other engine's
+        #: shape are reported once through ``on_wrong_engine`` (router/kv_events/engine_shape.py).
+        self.engine = engine
+        self._on_wrong_engine = on_wrong_engine
         self.index = index
         self.metrics = metrics
         self._ctx = ctx
@@ -186,6 +196,11 @@ class StreamSubscriber:
         except DecodeError as exc:
             self._decode_error(exc)
             return
+        if self.engine is not None and self._on_wrong_engine is not None:
+            shape = engine_of_batch(batch)
+            if shape is not None and shape != self.engine:
+                self._on_wrong_engine(shape)
+                self._on_wrong_engine = None  # once per stream
         self.index.apply(self.source.backend, self.source.rank, batch)
         self.metrics.batches.labels(self.source.backend).inc()
         if any(isinstance(event, AllBlocksCleared) for event in batch.events):
@@ -216,12 +231,27 @@ class KVEventsManager:
         #: Each backend's subscribers once its streams are known, for introspection and tests.
         self.subscribers: dict[str, list[StreamSubscriber]] = {}
 
-    def add_backend(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
-        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names."""
+    def add_backend(
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None = None,
+        on_wrong_engine: Callable[[str], None] | None = None,
+    ) -> None:
+        """Follow ``name``'s streams: those configured in ``endpoint``, else those its engine names
+        (asked with ``options``, the backend's TLS).
+
+        A backend whose events are the other engine's (its discovery answers only at the other
+        engine's path, or its hashes have the other engine's shape) is reported once: a warning,
+        ``kvroute_kv_events_errors_total{kind="wrong_engine"}``, and ``on_wrong_engine(why)``
+        (``/admin/backends`` shows it)."""
         if name in self._tasks:
             return
+        report = _WrongEngineReport(name, engine, self.metrics, on_wrong_engine)
         self._tasks[name] = asyncio.create_task(
-            self._follow(name, url, engine, endpoint), name=f"kv-events-{name}"
+            self._follow(name, url, engine, endpoint, options, report), name=f"kv-events-{name}"
         )
 
     def follow(self, pool: BackendPool) -> None:
@@ -232,7 +262,12 @@ class KVEventsManager:
 
     def _added(self, backend: Backend) -> None:
         config = backend.config
-        self.add_backend(backend.name, backend.url, config.engine, config.kv_events)
+
+        def wrong_engine(why: str) -> None:
+            backend.kv_events_mismatch = why
+
+        options = backend.client_options()
+        self.add_backend(backend.name, backend.url, config.engine, config.kv_events, options, wrong_engine)
 
     def _removed(self, backend: Backend) -> None:
         task = asyncio.create_task(self.remove_backend(backend.name))
@@ -252,28 +287,108 @@ class KVEventsManager:
             await asyncio.gather(*self._removals)
         self._ctx.term()
 
-    async def _follow(self, name: str, url: str, engine: str, endpoint: EndpointConfig | None) -> None:
+    async def _follow(
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        endpoint: EndpointConfig | None,
+        options: Mapping[str, Any] | None,
+        report: _WrongEngineReport,
+    ) -> None:
         if endpoint is not None:
             sources = configured_sources(name, endpoint)
         else:
-            sources = await self._discover(name, url, engine)
+            sources = await self._discover(name, url, engine, options, report)
         log.info("following KV events of %s at %s", name, ", ".join(s.endpoint for s in sources))
         subscribers = [
-            StreamSubscriber(source, self.index, self.metrics, self._ctx, self.settings.replay_timeout_s)
+            StreamSubscriber(
+                source,
+                self.index,
+                self.metrics,
+                self._ctx,
+                self.settings.replay_timeout_s,
+                engine,
+                report.hashes,
+            )
             for source in sources
         ]
         self.subscribers[name] = subscribers
         await asyncio.gather(*(s.run() for s in subscribers))
 
-    async def _discover(self, name: str, url: str, engine: str) -> list[EventSource]:
+    async def _discover(
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        options: Mapping[str, Any] | None,
+        report: _WrongEngineReport,
+    ) -> list[EventSource]:
         interval = self.settings.discovery_interval_s
         while True:
             try:
-                return await discover_sources(self._session, name, url, engine, timeout_s=interval)
+                return await discover_sources(self._session, name, url, engine, interval, options)
             except DiscoveryError as exc:
                 self.metrics.errors.labels(name, "discovery").inc()
                 log.warning("KV events of %s not found (%s); retrying in %.0f s", name, exc, interval)
+                if not report.said:
+                    await self._ask_the_other_engines(name, url, engine, options, report)
             await asyncio.sleep(interval)
+
+    async def _ask_the_other_engines(
+        self,
+        name: str,
+        url: str,
+        engine: EngineKind,
+        options: Mapping[str, Any] | None,
+        report: _WrongEngineReport,
+    ) -> None:
+        """Whether an engine of another kind answers where it says it publishes: then the
+        backend's ``engine:`` is wrong, and saying so beats retrying in silence."""
+        interval = self.settings.discovery_interval_s
+        for other in ENGINE_KINDS:
+            if other == engine:
+                continue
+            try:
+                await discover_sources(self._session, name, url, other, interval, options)
+            except DiscoveryError:
+                continue
+            report.discovery(other)
+            return
+
+
+class _WrongEngineReport:
+    """Says once per backend that its KV events are another engine's (see ``add_backend``)."""
+
+    def __init__(
+        self,
+        backend: str,
+        engine: str,
+        metrics: KVEventMetrics,
+        on_wrong_engine: Callable[[str], None] | None,
+    ) -> None:
+        self.backend = backend
+        self.engine = engine
+        self.metrics = metrics
+        self.on_wrong_engine = on_wrong_engine
+        self.said = False
+
+    def discovery(self, other: str) -> None:
+        path = "/server_info" if other == "sglang" else "/kv_event_sources"
+        self._say(f"its engine answers {path}, where {other} names its KV events", other)
+
+    def hashes(self, other: str) -> None:
+        self._say(f"its KV events carry {other}'s block hashes", other)
+
+    def _say(self, evidence: str, other: str) -> None:
+        if self.said:
+            return
+        self.said = True
+        why = f"{evidence}: it looks like {other}: set engine: {other}"
+        log.warning("backend %s (engine: %s): %s", self.backend, self.engine, why)
+        self.metrics.errors.labels(self.backend, "wrong_engine").inc()
+        if self.on_wrong_engine is not None:
+            self.on_wrong_engine(why)
 
 
 def start_kv_events(

@@ -98,6 +98,7 @@ class Attempt:
         "first_byte_timeout",
         "headers",
         "tap",
+        "tls",
         "upstream_key",
         "url",
     )
@@ -132,6 +133,7 @@ class Attempt:
         self._cached: int | None = None
         self.backend = backend
         self.url = backend.url
+        self.tls = backend.tls
         self.upstream_key = backend.config.upstream_api_key
         self.first_byte_timeout = first_byte_timeout
         # x-kvroute-matched-tokens: the prompt tokens the index believed cached there (its
@@ -189,7 +191,7 @@ class Attempt:
         """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
         self._release_prefill()
         self._ttft = at - self._sent
-        self._books.metrics.ttft_by(self._routable.endpoint).observe(at - self._started)
+        self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
@@ -240,7 +242,7 @@ class Attempt:
         backend.in_flight -= 1
         label = self._label or CLIENT_CLOSED
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
-        metrics.latency_by(routable.endpoint).observe(time.perf_counter() - self._started)
+        metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:
             self._index.finished(backend.name, self._chain)
         if self._learner is not None:

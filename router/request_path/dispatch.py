@@ -134,7 +134,7 @@ class Dispatcher:
             if number:
                 self.metrics.retries.inc()
             else:
-                self.metrics.decision_time.observe(time.perf_counter() - started)
+                self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - started)
             timeout = min(upstream.first_byte_timeout_s, remaining)
             try:
                 with Attempt(self.books, routable, view, backend, decision, started, timeout) as attempt:

@@ -30,6 +30,7 @@ from aiohttp import web
 from multidict import CIMultiDict
 
 from router.errors import OpenAIError
+from router.fleet.tls import BackendTLS
 from router.request_path.request import TENANT
 from router.request_path.upstream import UpstreamError, UpstreamPool, UpstreamResponse
 from router.request_path.usage import UsageTap
@@ -129,6 +130,8 @@ class Forwarding(Protocol):
     A failure before the client got a byte is raised as UpstreamFailed instead."""
 
     url: str
+    #: The engine's TLS settings (an ``https://`` URL), or None.
+    tls: BackendTLS | None
     #: The engine's own API key (``backends[].upstream_api_key``), or None.
     upstream_key: str | None
     body: bytes
@@ -196,7 +199,9 @@ class Proxy:
         outgoing = _copy_headers(request.headers)
         if attempt.upstream_key is not None or TENANT in request:
             upstream_credentials(outgoing, attempt.upstream_key)
-        upstream = await self.upstream.post(attempt.url, request.raw_path, outgoing.items(), attempt.body)
+        upstream = await self.upstream.post(
+            attempt.url, request.raw_path, outgoing.items(), attempt.body, attempt.tls
+        )
         try:
             if upstream.status in RETRYABLE_STATUSES:
                 detail = f"answered {upstream.status} {upstream.reason}"

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
+from router.fleet.settings import BackendTLSConfig
 
 
 @dataclass(frozen=True)
@@ -26,6 +27,7 @@ class RoutingConfig:
 
     #: A built-in policy's name, or a user's own as ``module:Class``.
     policy: NonEmptyStr = "latency"
+    #: The policy's own parameters, checked against its ``Params`` (docs/policies.md).
     params: dict[str, Any] = field(default_factory=dict)
     #: Seed for the policy's tie-breaking; null draws one at start.
     seed: int | None = None
@@ -52,6 +54,9 @@ class UpstreamConfig:
     #: engines' own keep-alive timeout (uvicorn's 5 s, which vLLM and SGLang serve with), so the
     #: router does not send a request on a connection the engine is closing at that moment.
     keepalive_s: PositiveFloat = 4.0
+    #: TLS to engines at ``https://`` URLs that have no ``tls`` of their own (discovered ones
+    #: included): CA bundle, client certificate, verification, SNI. Changing it needs a restart.
+    tls: BackendTLSConfig = field(default_factory=BackendTLSConfig)
 
 
 @dataclass(frozen=True)

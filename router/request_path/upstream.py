@@ -38,6 +38,7 @@ from urllib.parse import urlsplit
 import httptools
 from multidict import CIMultiDict
 
+from router.fleet.tls import BackendTLS
 from router.request_path.settings import UpstreamConfig
 
 #: Response bytes buffered before the router stops reading the backend's socket: a slow client
@@ -364,9 +365,17 @@ class UpstreamPool:
         self.keepalive = config.keepalive_s
 
     async def post(
-        self, base_url: str, path: str, headers: Iterable[tuple[str, str]], body: bytes
+        self,
+        base_url: str,
+        path: str,
+        headers: Iterable[tuple[str, str]],
+        body: bytes,
+        tls: BackendTLS | None = None,
     ) -> UpstreamResponse:
-        """POST ``body`` to ``base_url`` + ``path`` and return once the status and headers are in."""
+        """POST ``body`` to ``base_url`` + ``path`` and return once the status and headers are in.
+
+        ``tls``: the backend's TLS settings (router/fleet/tls.py) for an ``https://`` URL; without
+        them the system's trust store verifies the URL's host."""
         origin = self._origins.get(base_url)
         if origin is None:
             if len(self._origins) >= MAX_ORIGINS:
@@ -385,7 +394,7 @@ class UpstreamPool:
             except BaseException:
                 connection.close()
                 raise
-        connection = await self._connect(origin)
+        connection = await self._connect(origin, tls)
         try:
             await connection.exchange(request, body)
         except BaseException:
@@ -444,23 +453,30 @@ class UpstreamPool:
         while idle and idle[0].idle_since < now - self.keepalive:
             idle.popleft().close()
 
-    async def _connect(self, origin: Origin) -> _Connection:
+    async def _connect(self, origin: Origin, tls: BackendTLS | None) -> _Connection:
         loop = asyncio.get_running_loop()
-        tls = None
+        context: ssl.SSLContext | None = None
+        server_hostname: str | None = None
         if origin.tls:
-            tls = self._tls = self._tls or ssl.create_default_context()
+            if tls is not None:
+                context, server_hostname = tls.context, tls.server_hostname
+            else:
+                context = self._tls = self._tls or ssl.create_default_context()
+                server_hostname = origin.host
         opening = loop.create_connection(
             lambda: _Connection(loop, self),
             origin.host,
             origin.port,
-            ssl=tls,
-            server_hostname=origin.host if tls else None,
+            ssl=context,
+            server_hostname=server_hostname,
         )
         try:
+            # The TLS handshake is part of connecting: it counts against the same timeout.
             _, connection = await asyncio.wait_for(opening, self.connect_timeout)
+        except TimeoutError as exc:
+            # First: a TimeoutError is an OSError (since Python 3.10), and says nothing itself.
+            detail = f"connecting to {origin.host}:{origin.port} timed out after {self.connect_timeout:g} s"
+            raise ConnectFailed(detail) from exc
         except (OSError, ssl.SSLError) as exc:
             raise ConnectFailed(f"cannot connect to {origin.host}:{origin.port}: {exc}") from exc
-        except asyncio.TimeoutError as exc:
-            detail = f"no connection to {origin.host}:{origin.port} in {self.connect_timeout:g} s"
-            raise ConnectFailed(detail) from exc
         return connection

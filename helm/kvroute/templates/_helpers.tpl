@@ -61,7 +61,25 @@ app.kubernetes.io/component: redis
 {{- end }}
 
 {{- define "kvroute.image" -}}
+{{- if .Values.image.digest }}
+{{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
+{{- else }}
 {{- printf "%s:%s" .Values.image.repository (default .Chart.AppVersion .Values.image.tag) }}
+{{- end }}
+{{- end }}
+
+{{/*
+Refuse values that cannot work: several router replicas (or an autoscaler that may make them)
+with the memory index, where each replica would learn the engines' caches on its own and send
+the same prefix to different engines.
+*/}}
+{{- define "kvroute.validate" -}}
+{{- $several := or .Values.autoscaling.enabled (gt (int .Values.replicaCount) 1) }}
+{{- $shared := or .Values.redis.enabled (eq (((.Values.config).index).store | default "memory") "redis") }}
+{{- if and $several (not $shared) }}
+{{- $asked := ternary "autoscaling.enabled=true" (printf "replicaCount=%d" (int .Values.replicaCount)) .Values.autoscaling.enabled }}
+{{- fail (printf "%s needs a shared prefix index: with the memory index each router replica would learn the engines' caches on its own and send the same prefix to different engines. Set redis.enabled=true (the chart's Valkey; or redis.mode=external with redis.external.url), or run one replica (replicaCount=1, autoscaling.enabled=false)." $asked) }}
+{{- end }}
 {{- end }}
 
 {{/*
@@ -74,6 +92,9 @@ redis.enabled the index store and its connection; everything else is the user's.
 {{- $config := deepCopy .Values.config }}
 {{- $listen := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) "drain_timeout_s" (int .Values.termination.shutdownSeconds) }}
 {{- $_ := set $config "listen" $listen }}
+{{- with .Values.service.metricsPort }}
+{{- $_ := set $config "metrics" (dict "listen" (dict "host" "0.0.0.0" "port" (int .))) }}
+{{- end }}
 {{- if .Values.discovery.kubernetes.enabled }}
 {{- $_ := unset $config "backends" }}
 {{- $_ := set $config "discovery" (dict "kind" "kubernetes" "kubernetes" (deepCopy .Values.discovery.kubernetes.settings)) }}

@@ -14,4 +14,11 @@ from router.fleet.settings import EngineKind
 #: One adapter per engine kind (router/fleet/settings.py: EngineKind names them).
 ADAPTERS: dict[EngineKind, EngineAdapter] = {"vllm": VLLMAdapter(), "sglang": SGLangAdapter()}
 
-__all__ = ["ADAPTERS", "EngineAdapter", "EngineStats", "SGLangAdapter", "VLLMAdapter"]
+
+def engine_speaking(text: str) -> EngineKind | None:
+    """The engine kind whose metric families an exposition text holds (the first, by name), or
+    None: what to suggest when a backend's ``engine:`` adapter finds nothing in its /metrics."""
+    return next((kind for kind, adapter in sorted(ADAPTERS.items()) if adapter.speaks(text)), None)
+
+
+__all__ = ["ADAPTERS", "EngineAdapter", "EngineStats", "SGLangAdapter", "VLLMAdapter", "engine_speaking"]

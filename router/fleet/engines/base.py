@@ -41,6 +41,12 @@ class EngineAdapter(ABC):
     #: The label that identifies one independent scheduler (data-parallel rank).
     scheduler_label: str
 
+    def speaks(self, text: str) -> bool:
+        """Whether an exposition text holds any family this adapter reads: an engine of another
+        kind (a wrong ``engine:``) holds none, and every field of its stats would be None."""
+        prefixes = tuple(self.families)
+        return any(not line.startswith("#") and line.startswith(prefixes) for line in text.splitlines())
+
     def parse(self, text: str) -> EngineStats:
         """Parse an exposition text; lines of families the adapter ignores are skipped unparsed."""
         return self.stats(_read(text, self.families))

@@ -1,4 +1,4 @@
-"""The README's policy examples ("Writing your own policy", "Learning from outcomes"), executed
+"""The policy examples of docs/policies.md ("Writing your own policy", "Learning from outcomes"), executed
 as a user would write them: loaded from their YAML, and the learning one behind a real router."""
 
 from __future__ import annotations
@@ -19,13 +19,13 @@ from policies.types import BackendView, Outcome, RequestView
 from router.config import config_from_dict
 from tests.helpers import FAST, MakeRouter
 
-README = Path(__file__).resolve().parent.parent / "README.md"
+PAGE = Path(__file__).resolve().parent.parent / "docs" / "policies.md"
 
 
 def _section(title: str) -> str:
-    text = README.read_text(encoding="utf-8")
-    start = text.index(f"### {title}")
-    following = re.search(r"\n#{2,3} ", text[start + 1 :])
+    text = PAGE.read_text(encoding="utf-8")
+    start = text.index(f"## {title}")
+    following = re.search(r"\n## ", text[start + 1 :])
     return text[start : start + 1 + following.start() if following else None]
 
 
