@@ -314,7 +314,7 @@ def help_of(*args: str) -> str:
 def test_every_commands_help_shows_its_defaults():
     assert "bench overhead | bench report | bench routing" in help_of()
     assert "(default: 8001)" in help_of("sim") and "(default: 4096)" in help_of("sim")
-    assert "(default: 1)" in help_of("serve") and "(a file without one: prefix_aware)" in help_of("serve")
+    assert "(default: 1)" in help_of("serve") and "(a file without one: latency)" in help_of("serve")
     assert "conversation_trace.jsonl.gz)" in help_of("simulate")
     assert "(default: 96)" in help_of("demo")
     for benchmark, default in (("overhead", "(default: 200.0)"), ("routing", "(default: 10.0)")):
