@@ -102,8 +102,7 @@ def test_simulate_prints_both_bounds_for_a_generated_workload(capsys) -> None:
     assert rows == ["latency", "round_robin"]
 
 
-def test_simulate_wants_a_trace_or_a_workload(capsys) -> None:
-    with pytest.raises(SystemExit):
-        main(["simulate", "--policy", "latency"])
+def test_simulate_refuses_an_unknown_workload(capsys) -> None:
     with pytest.raises(SystemExit):
         main(["simulate", "--workload", "nope", "--policy", "latency"])
+    assert "invalid choice: 'nope'" in capsys.readouterr().err
