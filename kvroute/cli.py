@@ -20,7 +20,7 @@ from loadtest.sim.timing import EngineTiming
 from loadtest.trace import DEFAULT_TRACE
 from router.config import ConfigError, ConfigSource
 from router.fleet.settings import ENGINE_KINDS
-from router.http.settings import ListenConfig
+from router.http.settings import DEFAULT_ADMIN_LISTEN, ListenConfig
 from router.request_path.settings import RoutingConfig
 from router.tasks import run_event_loop
 
@@ -59,6 +59,8 @@ def serve_source(args: argparse.Namespace) -> ConfigSource:
     listen = {key: value for key, value in (("host", args.host), ("port", args.port)) if value is not None}
     if listen:
         overrides["listen"] = listen
+    if args.admin_port is not None:
+        overrides["admin"] = {"listen": {"port": args.admin_port}}
     if args.redis_url is not None:
         overrides["index"] = {"store": "redis", "redis": {"url": args.redis_url}}
     if args.log_level is not None:
@@ -210,6 +212,12 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--policy", help=f"routing.policy (a file without one: {RoutingConfig.policy})")
     serve.add_argument("--host", help=f"listen.host (a file without one: {ListenConfig.host})")
     serve.add_argument("--port", type=int, help=f"listen.port (a file without one: {ListenConfig.port})")
+    serve.add_argument(
+        "--admin-port",
+        type=int,
+        help=f"admin.listen.port: the admin API's own port, on loopback unless the file says otherwise "
+        f"(a file without one: {DEFAULT_ADMIN_LISTEN.port})",
+    )
     serve.add_argument("--redis-url", help="share the prefix index in Redis at this URL (index.store: redis)")
     serve.add_argument(
         "--log-level", choices=("debug", "info", "warning", "error"), help="log_level (default info)"

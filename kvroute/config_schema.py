@@ -62,15 +62,20 @@ def config_schema() -> dict[str, Any]:
 
 def chart_values_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     """The chart's ``values_schema`` with the router's config schema inlined where the values
-    hold router settings: ``config`` (without ``listen`` and ``metrics``, set by the chart) and
+    hold router settings: ``config`` (without ``listen``, ``admin.listen`` and ``metrics``, set by the
+    chart) and
     ``discovery.kubernetes.settings``."""
     schema = copy.deepcopy(values_schema)
     config = _inlined(_schema_of(ConfigFile))
     config["description"] = (
         "The router's configuration (config.example.yaml, docs/config.schema.json). "
-        "listen and metrics are set by the chart."
+        "listen, admin.listen and metrics are set by the chart."
     )
     config["properties"]["listen"] = {"not": {}, "description": "set by the chart from service.targetPort"}
+    config["properties"]["admin"]["properties"]["listen"] = {
+        "not": {},
+        "description": "set by the chart from admin.port and admin.expose",
+    }
     config["properties"]["metrics"] = {"not": {}, "description": "set by the chart from service.metricsPort"}
     config["required"] = ["backends"]
     schema["properties"]["config"] = config

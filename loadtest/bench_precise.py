@@ -55,7 +55,7 @@ import aiohttp
 import orjson
 
 from loadtest.bench_routing import Bench, load_requests
-from loadtest.contenders import Contender, cpu_seconds, free_port, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, cpu_seconds, free_port, sglang, wait_listening
 from loadtest.report import format_table, percentile
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.timing import EngineTiming
@@ -136,6 +136,7 @@ def _kvroute(
         index = f"{{backend_capacity_blocks: {capacity_tokens // APPROX_BLOCK_TOKENS}}}"
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
+        ADMIN_ON_ANY_PORT,
         "log_level: warning",
         f"routing: {{policy: {policy}, seed: 1, params: {params}}}",
         f"index: {index}",

@@ -117,6 +117,7 @@ def routers(
                 index["redis"] = {"url": redis_url, "namespace": contender.label, **redis_options}
             config = {
                 "listen": {"host": "127.0.0.1", "port": port},
+                "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
                 "backends": [{"name": f"e{j}", "url": u, "models": [MODEL]} for j, u in enumerate(urls)],
                 "routing": {"seed": i + 1, **({"policy": policy} if policy else {})},
                 "index": index,

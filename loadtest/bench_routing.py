@@ -39,7 +39,7 @@ import aiohttp
 
 from loadtest import workloads
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table, percentile
 from loadtest.sim.timing import EngineTiming
@@ -137,6 +137,7 @@ def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Con
     block_tokens = 64  # index.block_size 256 characters at 4 characters per token
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
+        ADMIN_ON_ANY_PORT,
         "log_level: warning",
         f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1}}",
         f"index: {{closed_loop: {'true' if closed_loop else 'false'}}}",

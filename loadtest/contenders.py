@@ -22,6 +22,11 @@ from pathlib import Path
 
 from loadtest.null_backend import MODEL
 
+#: A benchmarked router's admin listener: loopback, any free port (routers run side by side).
+ADMIN_ON_ANY_PORT = "admin: {listen: {host: 127.0.0.1, port: 0}}"
+#: The same for ``--workers N``, whose processes all bind one admin port: a free one, fixed.
+ADMIN_ON_A_FREE_PORT = "admin: {{listen: {{host: 127.0.0.1, port: {port}}}}}"
+
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -128,6 +133,7 @@ def kvroute(
     config = workdir / f"kvroute-{port}.yaml"
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
+        ADMIN_ON_A_FREE_PORT.format(port=free_port()) if workers > 1 else ADMIN_ON_ANY_PORT,
         "log_level: warning",
         "routing: {policy: prefix_aware}",
     ]

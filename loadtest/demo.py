@@ -68,6 +68,8 @@ async def run_policy(
         config = config_from_dict(
             {
                 "listen": {"host": "127.0.0.1", "port": 0},
+                # The demo's routers answer no admin call; a free port keeps 8081 for a real router.
+                "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
                 "backends": [
                     {"name": f"engine-{i}", "url": url, "models": [MODEL]} for i, url in enumerate(fleet.urls)
                 ],

@@ -256,6 +256,7 @@ async def soak(seconds: float, concurrency: int, fault_every: float, use_redis: 
             backends.append({"name": "flaky", "url": flaky.url, "models": [MODEL]})
             config: dict = {
                 "listen": {"host": "127.0.0.1", "port": 0},
+                "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
                 "backends": backends,
                 "upstream": {"first_byte_timeout_s": 2.0, "max_attempts": 3},
                 "health": {"interval_s": 0.5, "eject_after": 3, "eject_s": 2.0},

@@ -199,6 +199,27 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        # Client connections, per listener (main, admin): router/http/connections.py.
+        self.client_connections = Gauge(
+            "kvroute_client_connections",
+            "Open client connections, by listener",
+            ["listener"],
+            registry=r,
+        )
+        self.client_timeouts = Counter(
+            "kvroute_client_timeouts",
+            "Client connections closed because a request's head or body did not arrive in time "
+            "(listen.header_timeout_s, listen.body_timeout_s), by listener and phase",
+            ["listener", "phase"],
+            registry=r,
+        )
+        self.client_refused = Counter(
+            "kvroute_client_connections_refused",
+            "New client connections closed at once: the listener's max_connections or "
+            "max_connections_per_client was reached (the reason)",
+            ["listener", "reason"],
+            registry=r,
+        )
         # The request path's per-request metrics, through memoised children (see Children).
         self.requests_by = Children(self.requests)
         self.latency_by = Children(self.latency)

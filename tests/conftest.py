@@ -19,7 +19,7 @@ from router.config import config_from_dict, load_config
 from router.http.server import RouterServer
 from tests import redis_servers
 from tests.fault_engine import FaultEngine, start_engines
-from tests.helpers import FAST, Deployment, MakeRouter
+from tests.helpers import FAST, Deployment, MakeRouter, admin_on_free_port
 from tests.redis_servers import RedisServer
 
 #: A test whose program is missing fails with one line naming it and its install command.
@@ -67,7 +67,7 @@ async def deploy(tmp_path: Path) -> AsyncIterator[Callable[[dict[str, Any]], Awa
 
     async def start(config: dict[str, Any]) -> Deployment:
         path = tmp_path / "kvroute.yaml"
-        path.write_text(yaml.safe_dump(config))
+        path.write_text(yaml.safe_dump(admin_on_free_port(config)))
         server = RouterServer(load_config(path), config_path=str(path))
         await server.start()
         servers.append(server)
@@ -99,7 +99,14 @@ async def make_router() -> AsyncIterator[MakeRouter]:
     async def make(backends: list[dict[str, Any]], **sections: Any) -> RouterServer:
         routing = {"seed": 1, **sections.pop("routing", {})}
         config = config_from_dict(
-            {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends, "routing": routing, **sections}
+            admin_on_free_port(
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "backends": backends,
+                    "routing": routing,
+                    **sections,
+                }
+            )
         )
         server = RouterServer(config)
         await server.start()

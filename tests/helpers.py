@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import inspect
+import socket
 import subprocess
 import sys
 import time
@@ -35,8 +36,19 @@ FAST = EngineTiming(prefill_base_s=0.001, prefill_per_token_s=0.000005, decode_s
 #: What the ``make_router`` fixture yields: ``await make_router(backends, **config_sections)``.
 MakeRouter = Callable[..., Awaitable[RouterServer]]
 
+#: The admin API's listener in tests: loopback as by default, on any free port (the default
+#: port, 8081, would collide between routers started side by side).
+TEST_ADMIN_LISTEN = {"host": "127.0.0.1", "port": 0}
+
 #: The backends of ``open_index``'s config (their URLs are never reached).
 INDEX_BACKENDS = ["a", "b", "c"]
+
+
+def admin_on_free_port(config: dict[str, Any]) -> dict[str, Any]:
+    """``config`` with the admin API on a free loopback port, unless it says where it listens."""
+    admin = dict(config.get("admin") or {})
+    admin.setdefault("listen", TEST_ADMIN_LISTEN)
+    return {**config, "admin": admin}
 
 
 def backends_of(fleet: SimFleet, prefix: str = "e") -> list[dict[str, Any]]:
@@ -52,12 +64,15 @@ class Deployment:
         self.server = server
 
     def write(self, config: dict[str, Any] | str) -> None:
-        self.path.write_text(config if isinstance(config, str) else yaml.safe_dump(config))
+        """Rewrite the file; a mapping gets the admin listener the deployment was started with."""
+        if not isinstance(config, str):
+            config = yaml.safe_dump(admin_on_free_port(config))
+        self.path.write_text(config)
 
     async def reload(
         self, http: aiohttp.ClientSession, headers: dict[str, str]
     ) -> tuple[int, dict[str, Any]]:
-        async with http.post(f"{self.server.url}/admin/reload", headers=headers) as resp:
+        async with http.post(f"{self.server.admin_url}/admin/reload", headers=headers) as resp:
             return resp.status, await resp.json()
 
 
@@ -139,6 +154,22 @@ def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
         )
     with log.open("ab") as out:
         return subprocess.Popen([sys.executable, "-m", "kvroute.cli", *args], stdout=out, stderr=out)
+
+
+def free_port_pair() -> int:
+    """A port P with P and P+1 free (the simulated fleet takes consecutive ports;
+    a router its port and its admin listener the next)."""
+    for _ in range(50):
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        try:
+            with socket.socket() as second:
+                second.bind(("127.0.0.1", port + 1))
+            return port
+        except OSError:
+            continue
+    raise RuntimeError("no two consecutive free ports")
 
 
 def _timed_out(what: str, timeout: float, detail: Callable[[], object] | None) -> AssertionError:

@@ -75,7 +75,7 @@ async def get_config(http, url: str, headers: dict[str, str]) -> tuple[int, str]
 async def test_config_needs_the_admin_key(engines, deploy, http):
     server = (await deploy(seeded_config(engines))).server
     for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "Bearer sk-TENANTSECRET-1"}):
-        async with http.get(f"{server.url}/admin/config", headers=headers) as resp:
+        async with http.get(f"{server.admin_url}/admin/config", headers=headers) as resp:
             assert resp.status == 401
             assert (await resp.json())["error"]["code"] == "invalid_admin_key"
 
@@ -83,7 +83,7 @@ async def test_config_needs_the_admin_key(engines, deploy, http):
 async def test_config_shows_the_running_config_and_no_secret(engines, deploy, http):
     deployment = await deploy(seeded_config(engines))
     server, path = deployment.server, deployment.path
-    status, text = await get_config(http, server.url, ADMIN)
+    status, text = await get_config(http, server.admin_url, ADMIN)
     assert status == 200
     leaked = [secret for secret in SECRETS if secret in text]
     assert leaked == []
@@ -113,11 +113,11 @@ async def test_config_reflects_a_reload(engines, deploy, http):
     changed = seeded_config(engines, upstream={"max_attempts": 3}, admin={"key": "ADMINSECRET-NEW"})
     changed["listen"]["drain_timeout_s"] = 5  # needs a restart: the running value stays
     path.write_text(yaml.safe_dump(changed))
-    async with http.post(f"{server.url}/admin/reload", headers=ADMIN) as resp:
+    async with http.post(f"{server.admin_url}/admin/reload", headers=ADMIN) as resp:
         assert resp.status == 200
-    status, _ = await get_config(http, server.url, ADMIN)
+    status, _ = await get_config(http, server.admin_url, ADMIN)
     assert status == 401  # the new admin key is in force
-    status, text = await get_config(http, server.url, {"Authorization": "Bearer ADMINSECRET-NEW"})
+    status, text = await get_config(http, server.admin_url, {"Authorization": "Bearer ADMINSECRET-NEW"})
     assert status == 200 and "ADMINSECRET-NEW" not in text
     config = yaml.safe_load(text)["config"]
     assert config["upstream"]["max_attempts"] == 3

@@ -141,10 +141,12 @@ def test_bad_key_configs_are_refused_naming_the_key(auth, message):
 
 
 async def test_admin_api_needs_the_admin_key(engine, make_router, http, monkeypatch):
+    """With a key, the admin API may share the main listener (``admin.listen: null``)."""
     monkeypatch.setenv("KVROUTE_TEST_ADMIN_KEY", "admin-0123456789")
     router = await make_router(
-        backends([engine]), auth={"keys": KEYS}, admin={"key_env": "KVROUTE_TEST_ADMIN_KEY"}
+        backends([engine]), auth={"keys": KEYS}, admin={"key_env": "KVROUTE_TEST_ADMIN_KEY", "listen": None}
     )
+    assert router.admin_port is None and router.admin_url == router.url
     url = f"{router.url}/admin/backends"
     for headers in ({}, bearer("sk-a-0123456789"), bearer("admin-012345678")):
         async with http.get(url, headers=headers) as resp:

@@ -23,6 +23,7 @@ from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import config_from_dict
 from router.http.server import RouterServer
+from tests.helpers import admin_on_free_port
 
 #: Engines with no decode delay: a generated max_tokens of thousands must still finish at once.
 INSTANT = EngineTiming(prefill_base_s=0.0, prefill_per_token_s=0.0, decode_step_s=0.0, decode_per_seq_s=0.0)
@@ -49,11 +50,13 @@ def router_url() -> Iterator[str]:
     async def run() -> None:
         async with SimFleet(2, timing=INSTANT) as fleet:
             config = config_from_dict(
-                {
-                    "listen": {"port": 0},
-                    "backends": [{"name": f"e{i}", "url": u} for i, u in enumerate(fleet.urls)],
-                    "limits": {"max_body_bytes": 65536},
-                }
+                admin_on_free_port(
+                    {
+                        "listen": {"port": 0},
+                        "backends": [{"name": f"e{i}", "url": u} for i, u in enumerate(fleet.urls)],
+                        "limits": {"max_body_bytes": 65536},
+                    }
+                )
             )
             async with RouterServer(config) as server:
                 state["url"] = server.url

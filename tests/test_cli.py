@@ -15,24 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from tests.helpers import wait_for_sync
+from tests.helpers import free_port_pair, wait_for_sync
 
 KVROUTE = [sys.executable, "-m", "kvroute.cli"]
-
-
-def free_port_pair() -> int:
-    """A port P with P and P+1 free (the simulated fleet takes consecutive ports)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            with socket.socket() as second:
-                second.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
 
 
 def get(url: str, timeout: float = 2.0) -> tuple[int, bytes]:
@@ -84,12 +69,11 @@ def test_sim_and_serve_work_together(tmp_path: Path, processes):
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
 
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        router_port = probe.getsockname()[1]
+    router_port = free_port_pair()
     config = tmp_path / "kvroute.yaml"
     config.write_text(
         f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+        f"admin: {{listen: {{host: 127.0.0.1, port: {router_port + 1}}}}}\n"
         "backends:\n"
         f"  - {{name: a, url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
         f"  - {{name: b, url: 'http://127.0.0.1:{engine_port + 1}', engine: vllm}}\n"
@@ -188,30 +172,37 @@ def test_serve_from_flags_alone_routes_to_the_simulated_fleet(processes):
     processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(engine_port)]))
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
-    router_port = free_port()
+    router_port = free_port_pair()
     urls = [f"http://127.0.0.1:{engine_port}", f"vllm=http://127.0.0.1:{engine_port + 1}"]
     flags = ["--backend", urls[0], "--backend", urls[1], "--policy", "least_load", "--port", str(router_port)]
-    processes.append(subprocess.Popen([*KVROUTE, "serve", *flags]))
-    router = f"http://127.0.0.1:{router_port}"
+    processes.append(subprocess.Popen([*KVROUTE, "serve", *flags, "--admin-port", str(router_port + 1)]))
+    router, admin = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{router_port + 1}"
     wait_until_up(f"{router}/ready")
     names = {f"127.0.0.1:{engine_port}", f"127.0.0.1:{engine_port + 1}"}
     assert {chat(router) for _ in range(4)} == names  # least_load with nothing in flight: both serve
-    config = json.loads(get(f"{router}/admin/config")[1])["config"]
+    assert get(f"{router}/admin/config")[0] == 404  # the admin API is on its loopback port only
+    config = json.loads(get(f"{admin}/admin/config")[1])["config"]
+    assert (config["admin"]["listen"]["host"], config["admin"]["listen"]["port"]) == (
+        "127.0.0.1",
+        router_port + 1,
+    )
     assert config["routing"]["policy"] == "least_load"
     assert [b["engine"] for b in config["backends"]] == ["vllm", "vllm"]
 
 
 def test_the_example_config_runs_as_shipped_in_front_of_kvroute_sim(tmp_path: Path, processes):
     """config.example.yaml names the ports `kvroute sim` takes by default; only those ports (and the
-    router's, taken elsewhere on a shared machine) are moved here, every other line is as shipped."""
+    router's and its admin API's, taken elsewhere on a shared machine) are moved here, every other
+    line is as shipped."""
     example = (Path(__file__).resolve().parent.parent / "config.example.yaml").read_text()
-    sim_port, router_port = free_port_pair(), free_port()
+    sim_port, router_port = free_port_pair(), free_port_pair()
     assert "http://127.0.0.1:8001" in example and "http://127.0.0.1:8002" in example
-    assert "\n  port: 8080\n" in example
+    assert "\n  port: 8080\n" in example and "\n    port: 8081\n" in example
     moved = (
         example.replace("http://127.0.0.1:8001", f"http://127.0.0.1:{sim_port}")
         .replace("http://127.0.0.1:8002", f"http://127.0.0.1:{sim_port + 1}")
         .replace("\n  port: 8080\n", f"\n  port: {router_port}\n")
+        .replace("\n    port: 8081\n", f"\n    port: {router_port + 1}\n")
     )
     config = tmp_path / "config.yaml"
     config.write_text(moved)
@@ -221,7 +212,8 @@ def test_the_example_config_runs_as_shipped_in_front_of_kvroute_sim(tmp_path: Pa
     router = f"http://127.0.0.1:{router_port}"
     wait_until_up(f"{router}/ready")
     assert chat(router) in {"a", "b"}
-    backends = json.loads(get(f"{router}/admin/backends")[1])["backends"]
+    assert get(f"{router}/admin/backends")[0] == 404
+    backends = json.loads(get(f"http://127.0.0.1:{router_port + 1}/admin/backends")[1])["backends"]
     assert [b["engine_mismatch"] for b in backends] == [None, None]
     assert all(b["engine_capacity_tokens"] for b in backends)  # each engine's /metrics read
 
@@ -235,11 +227,11 @@ def test_flags_win_over_the_file_that_kvroute_config_names(tmp_path: Path, monke
         "backends:\n  - {name: a, url: 'http://10.0.0.1:8000'}\n"
         "routing: {policy: cost, params: {queue_weight: 0.5}}\n"
         "health: {interval_s: 7}\n"
+        "admin: {key: admin-0123456789, listen: {host: 0.0.0.0, port: 9001}}\n"
     )
     monkeypatch.setenv("KVROUTE_CONFIG", str(config))
-    args = build_parser().parse_args(
-        ["serve", "--backend", "sglang=http://10.0.0.2:30000", "--policy", "least_load", "--port", "9100"]
-    )
+    flags = ["--backend", "sglang=http://10.0.0.2:30000", "--policy", "least_load", "--port", "9100"]
+    args = build_parser().parse_args(["serve", *flags, "--admin-port", "9101"])
     loaded = serve_source(args).load()
     assert [(b.name, b.url, b.engine) for b in loaded.backends] == [
         ("10.0.0.2:30000", "http://10.0.0.2:30000", "sglang")
@@ -247,6 +239,7 @@ def test_flags_win_over_the_file_that_kvroute_config_names(tmp_path: Path, monke
     assert (loaded.routing.policy, loaded.routing.params) == ("least_load", {})  # cost's params dropped
     assert (loaded.listen.host, loaded.listen.port) == ("0.0.0.0", 9100)  # host from the file
     assert loaded.health.interval_s == 7
+    assert (loaded.admin.listen.host, loaded.admin.listen.port) == ("0.0.0.0", 9101)  # host from the file
     # The same policy as the file's keeps the file's parameters.
     same = build_parser().parse_args(["serve", "--policy", "cost"])
     assert serve_source(same).load().routing.params == {"queue_weight": 0.5}

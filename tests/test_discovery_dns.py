@@ -24,7 +24,7 @@ async def dns_server():
 
 
 async def names(http, router) -> set[str]:
-    async with http.get(f"{router.url}/admin/backends") as resp:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
         return {b["name"] for b in (await resp.json())["backends"] if b["state"] == "closed"}
 
 

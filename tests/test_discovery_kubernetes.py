@@ -20,7 +20,7 @@ async def api():
 
 
 async def states(http, router) -> dict[str, str]:
-    async with http.get(f"{router.url}/admin/backends") as resp:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
         return {b["name"]: b["state"] for b in (await resp.json())["backends"]}
 
 

@@ -169,7 +169,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
 
         async def learned() -> bool:
             return {
-                b["name"]: b["index_capacity_blocks"] for b in await admin_backends(http, router.url)
+                b["name"]: b["index_capacity_blocks"] for b in await admin_backends(http, router.admin_url)
             } == expected
 
         await wait_for(learned, what="index capacities learned from the engines")
@@ -184,7 +184,7 @@ async def test_a_router_learns_its_engines_capacity_and_holds_no_more(store, mak
 
         async def held() -> dict[str, int]:
             if redis is None:
-                return {b["name"]: b["index_blocks"] for b in await admin_backends(http, router.url)}
+                return {b["name"]: b["index_blocks"] for b in await admin_backends(http, router.admin_url)}
             client = redis.client()
             return {name: client.zcard(f"{{kvroute}}:blocks:{name}") for name in expected}
 

@@ -112,7 +112,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
         )
 
         async def backend() -> dict:
-            async with http.get(f"{router.url}/admin/backends") as resp:
+            async with http.get(f"{router.admin_url}/admin/backends") as resp:
                 return (await resp.json())["backends"][0]
 
         first = await backend()
@@ -139,7 +139,7 @@ async def test_scraped_numbers_reach_admin_and_metrics_and_go_stale(make_router,
 async def test_simulated_vllm_engines_are_scraped_with_their_cache_geometry(make_router, http):
     async with SimFleet(2, timing=FAST) as fleet:
         router = await make_router(backends_of(fleet))
-        async with http.get(f"{router.url}/admin/backends") as resp:
+        async with http.get(f"{router.admin_url}/admin/backends") as resp:
             listed = (await resp.json())["backends"]
         expected = FAST.kv_blocks * FAST.block_tokens
         assert [b["engine_capacity_tokens"] for b in listed] == [expected, expected]
@@ -199,7 +199,7 @@ async def test_a_backend_declared_as_the_wrong_engine_is_reported_once(make_rout
         )
 
         async def listed() -> dict[str, dict]:
-            async with http.get(f"{router.url}/admin/backends") as resp:
+            async with http.get(f"{router.admin_url}/admin/backends") as resp:
                 return {b["name"]: b for b in (await resp.json())["backends"]}
 
         backends = await listed()
@@ -227,7 +227,7 @@ async def test_an_engine_mismatch_is_said_once_names_no_engine_when_none_fits_an
         )
 
         async def mismatch() -> str | None:
-            async with http.get(f"{router.url}/admin/backends") as resp:
+            async with http.get(f"{router.admin_url}/admin/backends") as resp:
                 return (await resp.json())["backends"][0]["engine_mismatch"]
 
         assert await mismatch() == "/metrics holds none of the vllm metrics kvroute reads"

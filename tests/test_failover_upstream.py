@@ -169,7 +169,7 @@ async def test_simulated_engine_killed_mid_stream_then_routed_around(make_router
         assert total(samples, "kvroute_upstream_errors_total", backend="e0", kind="disconnect") == 1
 
         async def e0_out() -> bool:
-            async with http.get(f"{router.url}/admin/backends") as resp:
+            async with http.get(f"{router.admin_url}/admin/backends") as resp:
                 states = {b["name"]: b["state"] for b in (await resp.json())["backends"]}
             return states == {"e0": "unhealthy", "e1": "closed"}
 

@@ -102,7 +102,7 @@ async def test_engine_429_passes_through_with_retry_after_and_does_not_eject(eng
         assert headers["Retry-After"] == "7"
         assert json.loads(body)["error"]["message"] == "slow down"
     assert engine.received == 4  # a 429 is the engine's answer to this request: not retried elsewhere
-    async with http.get(f"{router.url}/admin/backends") as resp:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
         (backend,) = (await resp.json())["backends"]
     assert backend["routable"] and backend["circuit"] == "closed"
     await assert_released(http, router.url, engine)

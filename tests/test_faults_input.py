@@ -23,6 +23,7 @@ from hypothesis import strategies as st
 from router.config import config_from_dict
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
+from tests.helpers import admin_on_free_port
 
 KNOWN = {"model", "messages", "prompt", "stream", "max_tokens", "max_completion_tokens", "user", "tools"}
 SETTINGS = settings(
@@ -63,7 +64,7 @@ def deployment() -> Iterator[tuple[str, BodyRecorder]]:
     async def run() -> None:
         engine = BodyRecorder()
         await engine.start()
-        config = config_from_dict({"listen": {"port": 0}, "backends": backends([engine])})
+        config = config_from_dict(admin_on_free_port({"listen": {"port": 0}, "backends": backends([engine])}))
         async with RouterServer(config) as server:
             state.update(url=server.url, engine=engine, stop=(stop := asyncio.Event()))
             ready.set()

@@ -88,7 +88,7 @@ async def complete(http: aiohttp.ClientSession, router) -> tuple[int, str | None
 
 
 async def listed(http: aiohttp.ClientSession, router) -> dict[str, dict]:
-    async with http.get(f"{router.url}/admin/backends") as resp:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
         assert resp.status == 200
         return {b["name"]: b for b in (await resp.json())["backends"]}
 
@@ -158,7 +158,7 @@ async def test_drain_lets_in_flight_finish_and_sends_nothing_new(fault_engines, 
     in_flight = asyncio.create_task(complete(http, router))
     await wait_for(lambda: f0.received == 1, what="f0 to receive the request")
 
-    async with http.post(f"{router.url}/admin/backends/f0/drain") as resp:
+    async with http.post(f"{router.admin_url}/admin/backends/f0/drain") as resp:
         drained = await resp.json()
     assert (drained["state"], drained["in_flight"], drained["routable"]) == ("draining", 1, False)
     f0.mode = "ok"
@@ -171,7 +171,7 @@ async def test_drain_lets_in_flight_finish_and_sends_nothing_new(fault_engines, 
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_backend_draining", backend="f0") == 1
 
-    async with http.post(f"{router.url}/admin/backends/f0/undrain") as resp:
+    async with http.post(f"{router.admin_url}/admin/backends/f0/undrain") as resp:
         assert (await resp.json())["state"] == "closed"
     assert {(await complete(http, router))[1] for _ in range(4)} == {"f0", "f1"}
 
@@ -188,6 +188,6 @@ async def test_backend_drained_in_config_gets_nothing(fault_engines, make_router
 async def test_admin_names_an_unknown_backend(make_router, http, fault_engines):
     (f0,) = await fault_engines("ok")
     router = await make_router(backends([f0]))
-    async with http.post(f"{router.url}/admin/backends/nope/drain") as resp:
+    async with http.post(f"{router.admin_url}/admin/backends/nope/drain") as resp:
         assert resp.status == 404
         assert (await resp.json())["error"]["code"] == "backend_not_found"

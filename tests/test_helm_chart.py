@@ -21,6 +21,7 @@ import yaml
 
 from router.config import Config, config_from_dict
 from router.http.server import RouterServer
+from tests.certificates import Authority
 
 ROOT = Path(__file__).resolve().parent.parent
 CHART = ROOT / "helm" / "kvroute"
@@ -98,12 +99,29 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
             "metricsFrom": [{"namespaceSelector": {"matchLabels": {"name": "monitoring"}}}],
         },
     },
-    # Every setting the router documents passes the chart's schema of `config` (but `listen`
-    # and `metrics`, the chart's).
+    # Every setting the router documents passes the chart's `config` schema (but the listeners:
+    # `listen`, `admin.listen` and `metrics` are the chart's).
     "every_config_setting": {
-        "config": {k: v for k, v in EXAMPLE_CONFIG.items() if k not in ("listen", "metrics")}
+        "config": {
+            **{k: v for k, v in EXAMPLE_CONFIG.items() if k not in ("listen", "metrics", "admin")},
+            "admin": {k: v for k, v in EXAMPLE_CONFIG["admin"].items() if k != "listen"},
+        }
+    },
+    "admin_exposed": {
+        "admin": {"expose": True, "port": 9091, "existingSecret": "kv-admin"},
+        "networkPolicy": {
+            "enabled": True,
+            "ingressFrom": [{"podSelector": {"matchLabels": {"app": "gateway"}}}],
+            "adminFrom": [{"namespaceSelector": {"matchLabels": {"name": "ops"}}}],
+        },
     },
 }
+
+
+@pytest.fixture(autouse=True)
+def admin_key_in_env(monkeypatch) -> None:
+    """The admin key a pod gets from ``admin.existingSecret`` (the loader checks that it is set)."""
+    monkeypatch.setenv("KVROUTE_ADMIN_KEY", "admin-key-from-the-secret")
 
 
 def render(values: dict[str, Any]) -> list[dict[str, Any]]:
@@ -184,15 +202,22 @@ def test_defaults_one_router_with_the_memory_index_no_api_access_no_redis():
 
 async def test_the_default_render_is_a_working_single_router(fleet, http):
     """The default values' config, with the placeholder engines replaced by simulated ones (and
-    the pod's 0.0.0.0 by loopback), runs a router that answers its probes and routes."""
+    the pod's 0.0.0.0 by loopback, ports by free ones), runs a router that answers its probes and
+    routes, and serves no admin route on the port its Service exposes."""
     objects = render({})
     document = yaml.safe_load(find(objects, "ConfigMap")["data"]["config.yaml"])
     document["backends"] = [
         {**b, "url": url} for b, url in zip(document["backends"], fleet.urls, strict=False)
     ]
     document["listen"] = {**document["listen"], "host": "127.0.0.1", "port": 0}
+    assert document["admin"]["listen"] == {"host": "127.0.0.1", "port": 8081}
+    document["admin"]["listen"]["port"] = 0
     container = pod_spec(objects)["containers"][0]
     async with RouterServer(config_from_dict(document)) as router:
+        async with http.post(f"{router.url}/admin/backends/vllm-0/drain") as resp:
+            assert resp.status == 404
+        async with http.get(f"{router.admin_url}/admin/backends") as resp:
+            assert resp.status == 200
         for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
             assert container[probe]["httpGet"]["port"] == "http"
             async with http.get(router.url + container[probe]["httpGet"]["path"]) as resp:
@@ -314,6 +339,84 @@ def test_builtin_redis_is_a_small_statefulset_reached_by_its_service():
     policy = find(persistent, "NetworkPolicy", f"{FULLNAME}-redis")
     router_labels = find(persistent, "Deployment")["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["ingress"][0]["from"][0]["podSelector"]["matchLabels"] == router_labels
+
+
+def notes(values: dict[str, Any]) -> str:
+    with helm.Chart.load(CHART) as chart:
+        manifests = chart.render(values, name=RELEASE, namespace=NAMESPACE)
+    return next(text for path, text in manifests.items() if path.endswith("NOTES.txt"))
+
+
+def test_by_default_the_admin_api_is_on_the_pods_loopback_in_no_service():
+    objects = render({"networkPolicy": {"enabled": True}})
+    admin = router_config(objects).admin
+    assert (admin.listen.host, admin.listen.port) == ("127.0.0.1", 8081) and not admin.keyed
+    assert [p["name"] for p in find(objects, "Service")["spec"]["ports"]] == ["http"]
+    assert [p["name"] for p in pod_spec(objects)["containers"][0]["ports"]] == ["http"]
+    rules = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    assert [port["port"] for rule in rules for port in rule["ports"]] == ["http"]
+    assert f"port-forward deploy/{FULLNAME} 8081" in notes({})
+
+
+def test_an_exposed_admin_api_has_its_key_port_and_network_policy():
+    values = VALUES_SETS["admin_exposed"]
+    objects = render(values)
+    admin = router_config(objects).admin
+    assert (admin.listen.host, admin.listen.port, admin.key_env) == ("0.0.0.0", 9091, "KVROUTE_ADMIN_KEY")
+    service_ports = {p["name"]: p for p in find(objects, "Service")["spec"]["ports"]}
+    assert service_ports["admin"]["port"] == 9091 and service_ports["admin"]["targetPort"] == "admin"
+    container = pod_spec(objects)["containers"][0]
+    assert {"name": "admin", "containerPort": 9091, "protocol": "TCP"} in container["ports"]
+    secret = {"secretKeyRef": {"name": "kv-admin", "key": "key"}}
+    assert {"name": "KVROUTE_ADMIN_KEY", "valueFrom": secret} in container["env"]
+    http_rule, admin_rule = find(objects, "NetworkPolicy")["spec"]["ingress"]
+    assert admin_rule == {
+        "ports": [{"port": "admin", "protocol": "TCP"}],
+        "from": values["networkPolicy"]["adminFrom"],
+    }
+    assert http_rule["from"] == values["networkPolicy"]["ingressFrom"]
+    assert "admin key from Secret kv-admin" in notes(values)
+
+
+def test_an_exposed_admin_api_without_a_key_is_refused():
+    with pytest.raises(Exception, match=r"admin\.expose needs an admin key"):
+        render({"admin": {"expose": True}})
+
+
+@pytest.mark.parametrize("client_ca", [False, True])
+def test_tls_mounts_the_secret_and_probes_and_scrapes_over_https(client_ca, tmp_path):
+    values = {
+        "tls": {"existingSecret": "kv-tls", "clientCA": client_ca},
+        "monitoring": {"serviceMonitor": {"enabled": True, "tlsConfig": {"insecureSkipVerify": True}}},
+    }
+    objects = render(values)
+    for obj in objects:
+        if obj["kind"] != "ServiceMonitor":
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    raw = yaml.safe_load(find(objects, "ConfigMap")["data"]["config.yaml"])
+    expected = {"cert": "/etc/kvroute/tls/tls.crt", "key": "/etc/kvroute/tls/tls.key"}
+    if client_ca:
+        expected["client_ca"] = "/etc/kvroute/tls/ca.crt"
+    assert raw["listen"]["tls"] == expected
+    # The router loads the rendered config once the Secret's files are where it says.
+    ca = Authority(tmp_path, "ca")
+    cert, key = ca.issue("router")
+    files = {"cert": cert, "key": key, "client_ca": ca.cert}
+    raw["listen"]["tls"] = {name: str(files[name]) for name in expected}
+    assert config_from_dict(raw).listen.tls is not None
+    spec = pod_spec(objects)
+    assert {"name": "tls", "secret": {"secretName": "kv-tls"}} in spec["volumes"]
+    mount = {"name": "tls", "mountPath": "/etc/kvroute/tls", "readOnly": True}
+    container = spec["containers"][0]
+    assert mount in container["volumeMounts"]
+    for probe in (container["livenessProbe"], container["readinessProbe"]):
+        if client_ca:  # kubelet has no client certificate: the probes check the port accepts
+            assert probe["tcpSocket"] == {"port": "http"} and "httpGet" not in probe
+        else:
+            assert probe["httpGet"]["scheme"] == "HTTPS"
+    endpoint = find(objects, "ServiceMonitor")["spec"]["endpoints"][0]
+    assert endpoint["scheme"] == "https" and endpoint["tlsConfig"] == {"insecureSkipVerify": True}
+    assert f"https://{FULLNAME}.{NAMESPACE}.svc:8080/v1" in notes(values)
 
 
 def test_network_policy_lets_callers_and_prometheus_in():

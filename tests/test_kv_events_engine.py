@@ -57,10 +57,10 @@ async def test_a_backend_whose_discovery_answers_as_the_other_engine_is_reported
         router = await make_router([{**backend, "engine": "sglang"}], index=EVENTS)
 
         async def reported() -> bool:
-            return await _mismatch(http, router.url, backend["name"]) is not None
+            return await _mismatch(http, router.admin_url, backend["name"]) is not None
 
         await wait_for(reported, what="the wrong engine to be reported")
-        assert await _mismatch(http, router.url, backend["name"]) == (
+        assert await _mismatch(http, router.admin_url, backend["name"]) == (
             "its engine answers /kv_event_sources, where vllm names its KV events: it looks like vllm: "
             "set engine: vllm"
         )
@@ -79,7 +79,7 @@ async def test_a_backend_whose_discovery_answers_as_the_other_engine_is_reported
         ]
         assert said == [
             f"backend {backend['name']} (engine: sglang): "
-            + (await _mismatch(http, router.url, backend["name"]))
+            + (await _mismatch(http, router.admin_url, backend["name"]))
         ]
 
 
@@ -95,17 +95,17 @@ async def test_events_carrying_the_other_engines_hashes_are_reported(
         endpoint = {"endpoint": publisher.endpoint, "replay_endpoint": publisher.replay_endpoint}
         router = await make_router([{**backend, "engine": "vllm", "kv_events": endpoint}], index=EVENTS)
         for n in range(40):  # half of SGLang's hashes are negative: a few prompts show one
-            if await _mismatch(http, router.url, backend["name"]) is not None:
+            if await _mismatch(http, router.admin_url, backend["name"]) is not None:
                 break
             body = {"model": "sim-model", "prompt": f"prompt {n} " * 64, "max_tokens": 1}
             async with http.post(f"{router.url}/v1/completions", json=body) as resp:
                 assert resp.status == 200
 
         async def reported() -> bool:
-            return await _mismatch(http, router.url, backend["name"]) is not None
+            return await _mismatch(http, router.admin_url, backend["name"]) is not None
 
         await wait_for(reported, what="the signed hashes to be noticed")
-        assert await _mismatch(http, router.url, backend["name"]) == (
+        assert await _mismatch(http, router.admin_url, backend["name"]) == (
             "its KV events carry sglang's block hashes: it looks like sglang: set engine: sglang"
         )
         samples = await scrape(http, router.url)
@@ -126,7 +126,7 @@ async def test_the_right_engine_is_never_reported(
             return total(await scrape(http, router.url), "kvroute_kv_events_batches_total") >= 10
 
         await wait_for(applied, what="the batches of ten prompts")
-        assert await _mismatch(http, router.url, backends_of(fleet)[0]["name"]) is None
+        assert await _mismatch(http, router.admin_url, backends_of(fleet)[0]["name"]) is None
         assert (
             total(await scrape(http, router.url), "kvroute_kv_events_errors_total", kind="wrong_engine") == 0
         )

@@ -16,7 +16,7 @@ from router.config import config_from_dict
 from router.http.server import RouterServer
 from router.http.worker_metrics import WorkerGroup
 from router.metrics import CIRCUIT_STATES
-from tests.helpers import backends_of, kvroute, scrape, total, wait_for
+from tests.helpers import admin_on_free_port, backends_of, kvroute, scrape, total, wait_for
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
@@ -91,6 +91,7 @@ async def test_every_scrape_of_several_workers_reports_the_whole_group(tmp_path,
                 {
                     "listen": {"host": "127.0.0.1", "port": port},
                     "metrics": {"listen": {"host": "127.0.0.1", "port": metrics_port}},
+                    "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
                     "backends": backends_of(fleet),
                     "index": {"store": "redis", "redis": {"url": redis.url}},
                 }
@@ -135,7 +136,9 @@ async def test_each_worker_answers_for_the_group_counters_summed_gauges_by_their
     """Two workers of one group, in this process, each sent its own requests: a scrape of
     either reports both, counters summed, in-flight summed, health as the maximum (1, not 2),
     and the earliest start time."""
-    config = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    config = config_from_dict(
+        admin_on_free_port({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    )
     async with (
         RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as first,
         RouterServer(config, group=WorkerGroup(str(tmp_path), 1, 2)) as second,
@@ -155,7 +158,9 @@ async def test_each_worker_answers_for_the_group_counters_summed_gauges_by_their
 
 
 async def test_a_worker_that_does_not_answer_fails_the_scrape_rather_than_report_part(tmp_path, fleet, http):
-    config = config_from_dict({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    config = config_from_dict(
+        admin_on_free_port({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    )
     async with RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as lonely:
         async with http.get(f"{lonely.url}/metrics") as resp:
             assert resp.status == 503

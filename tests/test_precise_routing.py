@@ -129,7 +129,7 @@ async def test_a_pick_that_failed_over_leaves_no_belief_behind(
         )
 
         async def drain(name: str, action: str) -> None:
-            async with http.post(f"{router.url}/admin/backends/{name}/{action}") as resp:
+            async with http.post(f"{router.admin_url}/admin/backends/{name}/{action}") as resp:
                 assert resp.status == 200
 
         async def only_f0_predicts() -> int:

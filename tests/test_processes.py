@@ -18,10 +18,12 @@ MODEL = "sim-model"
 
 
 def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Path:
+    """A router on ``port``, its admin API on a free port of its own."""
     path.write_text(
         yaml.safe_dump(
             {
                 "listen": {"host": "127.0.0.1", "port": port},
+                "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
                 "backends": backends,
                 "index": index,
                 # The deepest match, deterministically: this file tests the workers' shared
@@ -56,8 +58,11 @@ def test_workers_refuse_what_they_cannot_serve():
         config(listen=listen, index=redis, metrics={"listen": {"port": 0}}), 4
     )
     assert refusal(config(listen=listen, index=redis, metrics={"listen": {"port": 9091}}), 4) is None
-    admin = {"listen": {"host": "127.0.0.1", "port": 9090}}
-    assert "admin.listen" in refusal(config(listen=listen, index=redis, admin=admin), 4)
+    # Every worker binds the admin listener too (SO_REUSEPORT): it needs a fixed port as well.
+    assert refusal(config(listen=listen, index=redis, admin={"listen": {"port": 9090}}), 4) is None
+    assert "fixed admin.listen.port" in refusal(
+        config(listen=listen, index=redis, admin={"listen": {"port": 0}}), 4
+    )
     assert "positive" in refusal(config(listen=listen), 0)
 
 

@@ -15,19 +15,20 @@ from typing import Any
 import aiohttp
 import yaml
 
-from tests.helpers import backends_of, kvroute, wait_for
-from tests.redis_servers import free_port, redis_server
+from tests.helpers import backends_of, free_port_pair, kvroute, wait_for
+from tests.redis_servers import redis_server
 
 WORKERS = 2
 ADMIN = {"Authorization": "Bearer admin-workers-key"}
 
 
 def write(path: Path, port: int, backends: list[dict], redis_url: str, max_attempts: int) -> None:
+    """The config of a router on ``port`` whose admin API listens on ``port + 1`` (every worker binds it)."""
     config = {
         "listen": {"host": "127.0.0.1", "port": port},
         "backends": backends,
         "index": {"store": "redis", "redis": {"url": redis_url}},
-        "admin": {"key": "admin-workers-key"},
+        "admin": {"key": "admin-workers-key", "listen": {"host": "127.0.0.1", "port": port + 1}},
         "upstream": {"max_attempts": max_attempts},
     }
     path.write_text(yaml.safe_dump(config))
@@ -41,9 +42,14 @@ async def worker_configs(url: str) -> dict[int, dict[str, Any]]:
     return {body["pid"]: body["config"]}
 
 
-async def every_worker_shows(url: str, max_attempts: int, timeout: float = 30.0) -> set[int]:
-    """Poll until ``WORKERS`` distinct workers each answered with ``max_attempts``; their pids."""
+async def every_worker_shows(url: str, max_attempts: int, log: Path, timeout: float = 30.0) -> set[int]:
+    """Poll until ``WORKERS`` distinct workers each answered with ``max_attempts``; their pids.
+    ``log``: the router's, shown if they do not."""
     latest: dict[int, int] = {}
+
+    def seen() -> str:
+        tail = log.read_text()[-3000:] if log.exists() else "(no log)"
+        return f"max_attempts by worker pid: {latest}; the router's log ends:\n{tail}"
 
     async def every_worker_answered() -> bool:
         try:
@@ -57,25 +63,26 @@ async def every_worker_shows(url: str, max_attempts: int, timeout: float = 30.0)
         every_worker_answered,
         what=f"all {WORKERS} workers to show max_attempts={max_attempts}",
         timeout=timeout,
-        detail=lambda: f"max_attempts by worker pid: {latest}",
+        detail=seen,
     )
     return set(latest)
 
 
 async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
     with redis_server() as server:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        port = free_port_pair()
+        url = f"http://127.0.0.1:{port + 1}"  # the admin listener
         config = tmp_path / "c.yaml"
+        log = tmp_path / "log"
         write(config, port, backends_of(fleet), server.url, max_attempts=1)
-        process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=tmp_path / "log")
+        process = kvroute("serve", "--config", str(config), "--workers", str(WORKERS), log=log)
         try:
-            pids = await every_worker_shows(url, 1)
+            pids = await every_worker_shows(url, 1, log)
 
             # SIGHUP to the parent: every worker re-reads the file.
             write(config, port, backends_of(fleet), server.url, max_attempts=2)
             process.send_signal(signal.SIGHUP)
-            assert await every_worker_shows(url, 2) == pids
+            assert await every_worker_shows(url, 2, log) == pids
 
             # POST /admin/reload lands on one worker; the others follow through the parent.
             write(config, port, backends_of(fleet), server.url, max_attempts=3)
@@ -85,9 +92,9 @@ async def test_sighup_and_admin_reload_reach_every_worker(tmp_path, fleet):
             ):
                 assert resp.status == 200
                 assert "upstream" in (await resp.json())["changed"]
-            assert await every_worker_shows(url, 3) == pids
+            assert await every_worker_shows(url, 3, log) == pids
             # Each worker applied each file once: the one that answered did not reload twice.
-            assert (tmp_path / "log").read_text().count("config reloaded from") == 2 * WORKERS
+            assert log.read_text().count("config reloaded from") == 2 * WORKERS
             assert process.poll() is None
         finally:
             process.send_signal(signal.SIGTERM)
@@ -99,8 +106,8 @@ async def test_a_reload_asked_while_workers_start_waits_for_them(tmp_path, fleet
     """SIGHUP as soon as the supervisor has started its workers, while they are still importing:
     the reload waits for each worker's handler instead of killing the worker (and the router)."""
     with redis_server() as server:
-        port = free_port()
-        url = f"http://127.0.0.1:{port}"
+        port = free_port_pair()
+        url = f"http://127.0.0.1:{port + 1}"  # the admin listener
         config = tmp_path / "c.yaml"
         log = tmp_path / "log"
         write(config, port, backends_of(fleet), server.url, max_attempts=1)
@@ -116,7 +123,7 @@ async def test_a_reload_asked_while_workers_start_waits_for_them(tmp_path, fleet
             )
             write(config, port, backends_of(fleet), server.url, max_attempts=2)
             process.send_signal(signal.SIGHUP)
-            await every_worker_shows(url, 2)
+            await every_worker_shows(url, 2, log)
             assert process.poll() is None
         finally:
             process.send_signal(signal.SIGTERM)

@@ -15,7 +15,7 @@ from router.config import ConfigSource
 from router.http.app import RUNTIME
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
-from tests.helpers import scrape, total, wait_for, wait_released
+from tests.helpers import admin_on_free_port, scrape, total, wait_for, wait_released
 
 ADMIN = {"Authorization": "Bearer admin-0123456789"}
 
@@ -107,7 +107,7 @@ async def test_reload_does_not_drop_in_flight_streams(engines, deploy, http):
         deployment.write({**base_config([second]), "routing": {"policy": "least_load"}})
         status, payload = await deployment.reload(http, ADMIN)
         assert status == 200, payload
-        async with http.get(f"{url}/admin/backends", headers=ADMIN) as admin:
+        async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=ADMIN) as admin:
             assert [b["name"] for b in (await admin.json())["backends"]] == ["f1"]
         first.release.set()
         received += await resp.read()
@@ -149,10 +149,10 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):
     deployment = await deploy(base_config(engines))
-    async with http.post(f"{deployment.server.url}/admin/reload") as resp:
+    async with http.post(f"{deployment.server.admin_url}/admin/reload") as resp:
         assert resp.status == 401
     router = await make_router(backends(engines))  # started from a dict: nothing to re-read
-    async with http.post(f"{router.url}/admin/reload") as resp:
+    async with http.post(f"{router.admin_url}/admin/reload") as resp:
         assert resp.status == 400
         assert "not started from a config file" in (await resp.json())["error"]["message"]
 
@@ -165,10 +165,10 @@ async def test_the_admin_key_itself_can_be_rotated(engines, deploy, http, tmp_pa
     key_file.write_text("admin-rotated-0123\n")
     status, payload = await deployment.reload(http, ADMIN)
     assert status == 200 and payload["changed"] == []  # same config; the key file's content changed
-    async with http.get(f"{deployment.server.url}/admin/backends", headers=ADMIN) as resp:
+    async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=ADMIN) as resp:
         assert resp.status == 401
     rotated = {"Authorization": "Bearer admin-rotated-0123"}
-    async with http.get(f"{deployment.server.url}/admin/backends", headers=rotated) as resp:
+    async with http.get(f"{deployment.server.admin_url}/admin/backends", headers=rotated) as resp:
         assert resp.status == 200
 
 
@@ -220,14 +220,16 @@ async def test_a_reload_applies_the_command_lines_flags_over_the_file_again(engi
     """``kvroute serve --config FILE --policy least_load``: the reloaded file's other changes apply,
     and the flag still wins over the file's policy."""
     path = tmp_path / "kvroute.yaml"
-    path.write_text(yaml.safe_dump(base_config(engines)))
+    path.write_text(yaml.safe_dump(admin_on_free_port(base_config(engines))))
     source = ConfigSource(str(path), {"routing": {"policy": "least_load"}})
     server = RouterServer(source.load(), config_path=source)
     await server.start()
     try:
         assert (await complete(http, server.url))[1] == "least_load"
-        path.write_text(yaml.safe_dump(base_config(engines, upstream={"max_attempts": 1})))
-        async with http.post(f"{server.url}/admin/reload", headers=ADMIN) as resp:
+        path.write_text(
+            yaml.safe_dump(admin_on_free_port(base_config(engines, upstream={"max_attempts": 1})))
+        )
+        async with http.post(f"{server.admin_url}/admin/reload", headers=ADMIN) as resp:
             assert resp.status == 200, await resp.text()
         runtime = server.app[RUNTIME]
         assert runtime.config.upstream.max_attempts == 1

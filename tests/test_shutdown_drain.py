@@ -15,7 +15,7 @@ import aiohttp
 import yaml
 
 from loadtest.sim.fleet import SimFleet
-from tests.helpers import FAST, wait_for
+from tests.helpers import FAST, admin_on_free_port, wait_for
 
 MODEL = "sim-model"
 #: Slow decode: the stream is still running when SIGTERM arrives.
@@ -27,7 +27,12 @@ async def _start_router(tmp_path, fleet: SimFleet) -> tuple[asyncio.subprocess.P
     config = tmp_path / "config.yaml"
     config.write_text(
         yaml.safe_dump(
-            {"listen": {"host": "127.0.0.1", "port": 0}, "backends": [{"name": "e0", "url": fleet.urls[0]}]}
+            admin_on_free_port(
+                {
+                    "listen": {"host": "127.0.0.1", "port": 0},
+                    "backends": [{"name": "e0", "url": fleet.urls[0]}],
+                }
+            )
         )
     )
     process = await asyncio.create_subprocess_exec(

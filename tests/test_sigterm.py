@@ -19,7 +19,7 @@ import yaml
 
 from loadtest.soak import start_router
 from tests.fault_engine import MODEL, backends, start_engines
-from tests.helpers import wait_for
+from tests.helpers import admin_on_free_port, wait_for
 
 DRAIN_S = 1.0
 
@@ -35,7 +35,7 @@ async def log_line(process: asyncio.subprocess.Process, containing: str) -> str:
 
 
 def write(path: Path, config: dict[str, Any]) -> None:
-    path.write_text(yaml.safe_dump(config))
+    path.write_text(yaml.safe_dump(admin_on_free_port(config)))
 
 
 async def test_sigterm_cuts_streams_at_the_drain_deadline_and_exits(tmp_path):

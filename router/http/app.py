@@ -45,7 +45,8 @@ METRICS = web.AppKey("metrics", RouterMetrics)
 INDEX = web.AppKey("index", PrefixIndex)
 #: What a config reload may change (router/http/reload.py); the request path reads it per request.
 RUNTIME = web.AppKey("runtime", Runtime)
-#: The admin API's own app when ``admin.listen`` puts it on a separate port (router/http/server.py).
+#: The admin API's own app, served on ``admin.listen`` (router/http/server.py); absent when the
+#: admin API shares the main listener (``admin.listen: null``, allowed only with an admin key).
 ADMIN_APP = web.AppKey("admin_app", web.Application)
 #: ``/metrics``' own app when ``metrics.listen`` puts it on a separate port (router/http/server.py).
 METRICS_APP = web.AppKey("metrics_app", web.Application)

@@ -29,9 +29,16 @@ others for theirs over Unix sockets in a private directory the supervisor makes,
 them (router/http/worker_metrics.py says how, and why not prometheus_client's multiprocess
 mode); a ``metrics.listen`` port of its own is bound by every worker (SO_REUSEPORT) alike.
 Other state that is not in Redis stays per worker: the admin API answers for the worker that
-takes the connection (``GET /admin/config`` names it by ``pid``; an admin ``listen`` port of
-its own is refused, as every worker would bind it), except reloads, which reach every worker
-as said above.
+takes the connection (``GET /admin/config`` names it by ``pid``), except reloads, which reach
+every worker as said above.
+
+The admin listener (``admin.listen``, loopback by default) is bound by every worker with
+SO_REUSEPORT, like the main one, rather than owned by one worker: the workers stay
+interchangeable (none is special, so none's death or restart takes the admin API with it),
+the admin API answers exactly as it did when it shared the main listener (each call reaches
+one worker; reloads reach all), and nothing new is needed to pick or supervise an owner.
+A drain through the admin API is per worker; with several workers, drain a backend with
+``backends[].drain: true`` and a reload, which reaches every worker.
 """
 
 from __future__ import annotations
@@ -77,10 +84,10 @@ def refusal(config: Config, workers: int) -> str | None:
             "--workers needs a fixed metrics.listen port: with port 0 every worker would listen on "
             "a different one"
         )
-    if config.admin.listen is not None:
+    if config.admin.listen is not None and config.admin.listen.port == 0:
         return (
-            "--workers cannot serve admin.listen: every worker would bind that port. Serve the admin "
-            "API on the main listener (each call then reaches one worker), or run one worker."
+            "--workers needs a fixed admin.listen.port: with port 0 every worker would listen on a "
+            "different one"
         )
     return None
 
@@ -164,8 +171,14 @@ def serve_processes(config: Config, workers: int, config_path: str | ConfigSourc
             signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         for _, sender in pipes:
             sender.close()  # the worker holds its own copy; here a closed pipe means it exited
-        listen = config.listen
-        print(f"kvroute listening on http://{listen.host}:{listen.port} with {workers} workers", flush=True)
+        listen, admin = config.listen, config.admin.listen
+        scheme = "https" if listen.tls is not None else "http"
+        print(
+            f"kvroute listening on {scheme}://{listen.host}:{listen.port} with {workers} workers", flush=True
+        )
+        if admin is not None:
+            scheme = "https" if admin.tls is not None else "http"
+            print(f"kvroute admin API on {scheme}://{admin.host}:{admin.port}/admin/", flush=True)
         while not stopping:
             ready = wait([*requests, *(p.sentinel for p in processes)], timeout=0.5)
             for receiver in [r for r in ready if r in requests]:

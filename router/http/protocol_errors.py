@@ -119,7 +119,8 @@ class OpenAIErrorHandler(web.RequestHandler):
 
 
 class OpenAIErrorServer(web.Server):
-    """``web.Server`` whose connections are :class:`OpenAIErrorHandler`."""
+    """``web.Server`` whose connections are ``handler_class`` (an :class:`OpenAIErrorHandler`),
+    each built with ``handler_args`` besides aiohttp's own arguments."""
 
     def __init__(
         self,
@@ -128,6 +129,8 @@ class OpenAIErrorServer(web.Server):
         request_factory: Any = None,
         handler_cancellation: bool = False,
         loop: asyncio.AbstractEventLoop | None = None,
+        handler_class: type[OpenAIErrorHandler] = OpenAIErrorHandler,
+        handler_args: dict[str, Any] | None = None,
         **kwargs: Any,
     ) -> None:
         super().__init__(
@@ -138,18 +141,21 @@ class OpenAIErrorServer(web.Server):
             **kwargs,
         )
         self._handler_loop = loop or asyncio.get_running_loop()
+        self._handler_class = handler_class
         #: What every connection's protocol is built with (the named arguments are the Server's).
-        self._handler_kwargs = kwargs
+        self._handler_kwargs = {**kwargs, **(handler_args or {})}
 
     def __call__(self) -> web.RequestHandler:
-        return OpenAIErrorHandler(self, loop=self._handler_loop, **self._handler_kwargs)
+        return self._handler_class(self, loop=self._handler_loop, **self._handler_kwargs)
 
 
 class OpenAIErrorRunner(web.AppRunner):
-    """``web.AppRunner`` serving through :class:`OpenAIErrorServer` (same arguments)."""
+    """``web.AppRunner`` serving through :class:`OpenAIErrorServer` (same arguments, and that
+    server's ``handler_class`` and ``handler_args``)."""
 
     def __init__(self, app: web.Application, **kwargs: Any) -> None:
-        super().__init__(app, **kwargs)
+        server_only = ("handler_class", "handler_args")
+        super().__init__(app, **{k: v for k, v in kwargs.items() if k not in server_only})
         #: What aiohttp's Server takes besides the app's handler (the runner keeps the others).
         self._server_kwargs = {
             k: v

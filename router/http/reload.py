@@ -36,6 +36,7 @@ from router.errors import OpenAIError
 from router.fleet.backends import BackendPool
 from router.http.auth import AdminKey, KeyStore
 from router.http.ratelimit import RateLimiter
+from router.http.tls import CertificateStore
 
 if TYPE_CHECKING:
     from router.request_path.dispatch import Dispatcher
@@ -88,6 +89,8 @@ class Runtime:
         #: Set by ``kvroute serve --workers N`` (router/http/processes.py): after ``POST /admin/reload``
         #: applied here, asks the supervisor to have every other worker reload too.
         self.reload_peers: Callable[[], None] | None = None
+        #: The HTTPS listeners' certificates, re-read on every reload (set by router/http/server.py).
+        self.certificates: list[CertificateStore] = []
 
     def reload_file(self) -> dict[str, object]:
         """Re-read ``path`` and apply it; ConfigError (nothing changed) when it is invalid."""
@@ -100,11 +103,20 @@ class Runtime:
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)
             raise
         try:
+            certificates = [(store, store.load()) for store in self.certificates]
+        except ValueError as exc:
+            self.reloads.labels("refused").inc()
+            log.error("config reload refused, keeping the running config: %s", exc)
+            raise ConfigError(str(exc)) from None
+        try:
             outcome = self.apply(new)
         except (ValueError, OSError) as exc:  # a key file that changed or vanished since validation
             self.reloads.labels("refused").inc()
             log.error("config reload from %s refused, keeping the running config: %s", self.path, exc)
             raise ConfigError(str(exc)) from None
+        for store, context in certificates:
+            store.use(context)
+        outcome["certificates_reloaded"] = [store.listener for store, _ in certificates]
         self.reloads.labels("applied").inc()
         log.info(
             "config reloaded from %s: changed %s%s",
@@ -120,6 +132,9 @@ class Runtime:
         """Switch to ``new`` (already validated); everything that can fail is built before any swap."""
         old = self.config
         running = self._keep_restart_only(old, new)
+        exposed = running.admin.exposure_refused()
+        if exposed:
+            raise ValueError(f"admin.{exposed[0]} (admin.listen changes only at a restart)")
         restart = [s for s in RESTART_SECTIONS if getattr(old, s) != getattr(new, s)]
         restart += [f"limits.{k}" for k in RESTART_LIMITS if getattr(old.limits, k) != getattr(new.limits, k)]
         if old.admin.listen != new.admin.listen:

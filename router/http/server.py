@@ -13,14 +13,10 @@ from aiohttp import web
 
 from router.config import Config, ConfigError, ConfigSource
 from router.http.app import ADMIN_APP, INDEX, METRICS, METRICS_APP, POOL, RUNTIME, build_app, local_exposition
-from router.http.protocol_errors import OpenAIErrorRunner
-from router.http.server_log import HTTP_LOG
+from router.http.connections import raise_fd_limit
+from router.http.listeners import Listener, ListenError
 from router.http.settings import ListenConfig
 from router.http.worker_metrics import WorkerGroup, serve_to_peers
-
-
-class ListenError(RuntimeError):
-    """The router cannot listen where its config says (the port is taken, or not ours to bind)."""
 
 
 def check_listen(host: str, port: int) -> None:
@@ -43,7 +39,9 @@ def check_listen(host: str, port: int) -> None:
 
 
 class RouterServer:
-    """The router listening on ``config.listen`` (port 0 picks a free one; see ``url``)."""
+    """The router on its listeners: ``config.listen`` for the API (port 0 picks a free one; see
+    ``url``), ``admin.listen`` for the admin API unless it shares the main listener, and
+    ``metrics.listen`` for ``/metrics`` when it has one (router/http/listeners.py)."""
 
     def __init__(
         self,
@@ -53,107 +51,102 @@ class RouterServer:
         group: WorkerGroup | None = None,
     ) -> None:
         self.config = config
-        #: SO_REUSEPORT: several worker processes listen on one port, the kernel spreads connections.
-        self.reuse_port = reuse_port
         #: One of ``serve --workers N``'s processes: it answers the others' metrics requests.
         self.group = group
         self.app = build_app(config, config_path, group)
-        limits = config.limits
+        metrics = self.app[METRICS]
         # handler_cancellation: when a client disconnects, its handler is cancelled, which
         # closes the upstream connection so the engine stops working for nobody.
         # shutdown_timeout: on stop, in-flight handlers get this long (the SIGTERM drain).
-        # OpenAIErrorRunner: requests aiohttp refuses before any handler (malformed or oversized
-        # request line or headers) are answered in the OpenAI shape too (router/http/protocol_errors.py).
-        self._runner = OpenAIErrorRunner(
+        # reuse_port: every worker of ``serve --workers N`` binds each listener (SO_REUSEPORT).
+        self.main = Listener(
+            "main",
+            "listen",
             self.app,
-            handler_cancellation=True,
-            access_log=None,
+            config.listen,
+            config.limits,
+            metrics,
             shutdown_timeout=config.listen.drain_timeout_s,
-            max_line_size=limits.max_line_size,
-            max_field_size=limits.max_field_size,
-            max_headers=limits.max_headers,
-            logger=HTTP_LOG,
+            handler_cancellation=True,
+            reuse_port=reuse_port,
         )
-        admin_app = self.app.get(ADMIN_APP)
-        self._admin_runner = (
-            OpenAIErrorRunner(
-                admin_app,
-                access_log=None,
-                shutdown_timeout=1.0,
-                max_line_size=limits.max_line_size,
-                max_field_size=limits.max_field_size,
-                max_headers=limits.max_headers,
-                logger=HTTP_LOG,
-            )
-            if admin_app is not None
-            else None
+        #: The admin API's own listener (None: it shares the main one, behind the admin key).
+        self.admin = self._side(
+            "admin", "admin.listen", self.app.get(ADMIN_APP), config.admin.listen, reuse_port
         )
-        metrics_app = self.app.get(METRICS_APP)
-        self._metrics_runner = (
-            web.AppRunner(metrics_app, access_log=None) if metrics_app is not None else None
+        #: ``/metrics``' own listener (None: it is on the main one); whichever worker answers
+        #: reports the whole group (router/http/worker_metrics.py).
+        self.metrics = self._side(
+            "metrics", "metrics.listen", self.app.get(METRICS_APP), config.metrics.listen, reuse_port
         )
+        # Started in this order: the side listeners bind before the app starts (the main
+        # listener's setup runs its first health checks and scrapes), so no outgoing connection
+        # of this process can have taken their port first; stopped in reverse, the main first.
+        self.listeners = [x for x in (self.admin, self.metrics, self.main) if x is not None]
+        self.app[RUNTIME].certificates = [
+            x.certificates for x in self.listeners if x.certificates is not None
+        ]
         self._peer_runner: web.AppRunner | None = None
-        self.port: int | None = None
-        #: ``/metrics``' own port, with ``metrics.listen`` (else it shares ``port``).
-        self.metrics_port: int | None = None
-        #: The admin API's own port, with ``admin.listen`` (else it shares ``port``).
-        self.admin_port: int | None = None
+
+    def _side(
+        self,
+        name: str,
+        where: str,
+        app: web.Application | None,
+        listen: ListenConfig | None,
+        reuse_port: bool,
+    ) -> Listener | None:
+        """A listener of its own for ``app``, when it has one."""
+        if app is None or listen is None:
+            return None
+        limits, metrics = self.config.limits, self.app[METRICS]
+        return Listener(
+            name, where, app, listen, limits, metrics, shutdown_timeout=1.0, reuse_port=reuse_port
+        )
+
+    @property
+    def port(self) -> int | None:
+        return self.main.port
 
     @property
     def url(self) -> str:
-        return f"http://{self.config.listen.host}:{self.port}"
+        return self.main.url
+
+    @property
+    def admin_port(self) -> int | None:
+        """The admin API's own port (None: it shares ``port``)."""
+        return self.admin.port if self.admin is not None else None
+
+    @property
+    def admin_url(self) -> str:
+        """Where the admin API answers: its own listener, or the main one when it shares it."""
+        return self.admin.url if self.admin is not None else self.url
+
+    @property
+    def metrics_port(self) -> int | None:
+        """``/metrics``' own port (None: it shares ``port``)."""
+        return self.metrics.port if self.metrics is not None else None
+
+    @property
+    def metrics_url(self) -> str:
+        """Where ``/metrics`` answers: its own listener if configured, else the main one."""
+        return self.metrics.url if self.metrics is not None else self.url
 
     async def start(self) -> None:
-        await self._runner.setup()
-        site = web.TCPSite(
-            self._runner, self.config.listen.host, self.config.listen.port, reuse_port=self.reuse_port or None
-        )
-        await self._bind(site, self.config.listen.host, self.config.listen.port)
-        self.port = self._runner.addresses[0][1]
-        admin_listen = self.config.admin.listen
-        if self._admin_runner is not None and admin_listen is not None:
-            await self._admin_runner.setup()
-            admin_site = web.TCPSite(self._admin_runner, admin_listen.host, admin_listen.port)
-            await self._bind(admin_site, admin_listen.host, admin_listen.port)
-            self.admin_port = self._admin_runner.addresses[0][1]
-        metrics_listen = self.config.metrics.listen
-        if self._metrics_runner is not None and metrics_listen is not None:
-            await self._metrics_runner.setup()
-            # Every worker binds it too (SO_REUSEPORT): whichever answers reports the group.
-            reuse = self.reuse_port or None
-            metrics_site = web.TCPSite(
-                self._metrics_runner, metrics_listen.host, metrics_listen.port, reuse_port=reuse
-            )
-            await self._bind(metrics_site, metrics_listen.host, metrics_listen.port)
-            self.metrics_port = self._metrics_runner.addresses[0][1]
+        started: list[Listener] = []
+        try:
+            for listener in self.listeners:
+                await listener.start()
+                started.append(listener)
+        except BaseException:
+            for listener in reversed(started):
+                await listener.stop()
+            raise
         if self.group is not None:
             app = self.app
             self._peer_runner = await serve_to_peers(
                 self.group, lambda: local_exposition(app[METRICS], app[POOL], app[INDEX])
             )
-
-    @property
-    def metrics_url(self) -> str:
-        """Where ``/metrics`` answers: its own listener if configured, else the main one."""
-        return self._side_url(self.config.metrics.listen, self.metrics_port)
-
-    async def _bind(self, site: web.TCPSite, host: str, port: int) -> None:
-        """Start listening; a socket that cannot be bound stops what started and says where."""
-        try:
-            await site.start()
-        except OSError as exc:
-            await self.stop()
-            raise ListenError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
-
-    @property
-    def admin_url(self) -> str:
-        """Where the admin API answers: its own listener if configured, else the main one."""
-        return self._side_url(self.config.admin.listen, self.admin_port)
-
-    def _side_url(self, listen: ListenConfig | None, port: int | None) -> str:
-        if listen is None or port is None:
-            return self.url
-        return f"http://{listen.host}:{port}"
 
     def reload(self) -> None:
         """Re-read the config file (SIGHUP); an invalid file is logged and changes nothing."""
@@ -162,10 +155,8 @@ class RouterServer:
             self.app[RUNTIME].reload_file()
 
     async def stop(self) -> None:
-        for side in (self._admin_runner, self._metrics_runner):
-            if side is not None:
-                await side.cleanup()
-        await self._runner.cleanup()
+        for listener in reversed(self.listeners):
+            await listener.stop()
         # Last: while this worker drains, the others' scrapes still get its numbers.
         if self._peer_runner is not None:
             await self._peer_runner.cleanup()
@@ -214,6 +205,7 @@ async def serve_forever(
     ``reload_peers`` passes a ``POST /admin/reload`` on to the other workers, and ``group`` says
     where the others answer for their metrics.
     """
+    raise_fd_limit()  # before the listeners derive their connection caps from it
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -225,8 +217,7 @@ async def serve_forever(
         signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGHUP})
         tune_gc()
         print(f"kvroute listening on {server.url} with {len(config.backends)} backends", flush=True)
-        if server.admin_port is not None:
-            print(f"kvroute admin API on {server.admin_url}", flush=True)
+        print(f"kvroute admin API on {server.admin_url}/admin/", flush=True)
         if server.metrics_port is not None:
             print(f"kvroute metrics on {server.metrics_url}/metrics", flush=True)
         await stop.wait()

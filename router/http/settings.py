@@ -1,4 +1,4 @@
-"""Settings of the HTTP surface: ``listen``, ``limits``, ``auth``, ``admin``.
+"""Settings of the HTTP surface: ``listen`` (and ``admin.listen``), ``limits``, ``auth``, ``admin``.
 
 Each section's type lives beside the code that reads it, at the bottom of the wing: it
 imports nothing of ``router`` above it, so ``router.config`` assembles it without importing
@@ -10,7 +10,9 @@ reading the key files, are in ``validate``.
 from __future__ import annotations
 
 import dataclasses
+import ipaddress
 import os
+import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,8 +31,64 @@ ListenPort = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 
 
 @dataclass(frozen=True)
+class TLSConfig:
+    """``listen.tls``: serve HTTPS with this certificate; mutual TLS when ``client_ca`` is given.
+
+    The files are read at start and again on every reload (SIGHUP, ``POST /admin/reload``), so
+    a certificate rotated in place (cert-manager, a mounted Secret) is served from the next
+    handshake on (router/http/tls.py).
+    """
+
+    #: PEM certificate chain, the server's certificate first.
+    cert: NonEmptyStr
+    #: PEM private key of that certificate (unencrypted).
+    key: NonEmptyStr
+    #: PEM bundle of the CAs whose client certificates are accepted; given: every client must
+    #: present one (mutual TLS), else the handshake fails.
+    client_ca: NonEmptyStr | None = None
+
+    def validate(self) -> list[str]:
+        try:
+            server_context(self)
+        except ValueError as exc:
+            return [str(exc)]
+        return []
+
+
+def server_context(tls: TLSConfig) -> ssl.SSLContext:
+    """A server-side SSLContext from ``tls``'s files; ValueError naming the key whose file does not load."""
+    context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    context.minimum_version = ssl.TLSVersion.TLSv1_2
+    try:
+        context.load_cert_chain(tls.cert, tls.key)
+    except (OSError, ssl.SSLError) as exc:
+        raise ValueError(
+            f"cert: cannot load the certificate {tls.cert} with the key {tls.key}: {_reason(exc)}"
+        ) from None
+    if tls.client_ca is not None:
+        try:
+            context.load_verify_locations(cafile=tls.client_ca)
+        except (OSError, ssl.SSLError) as exc:
+            raise ValueError(f"client_ca: cannot load {tls.client_ca}: {_reason(exc)}") from None
+        context.verify_mode = ssl.CERT_REQUIRED
+    return context
+
+
+def _reason(exc: OSError) -> str:
+    """What went wrong, in OpenSSL's words when it has some ("PEM lib" says only where)."""
+    if isinstance(exc, ssl.SSLError):
+        return f"not a PEM file of the expected kind, or the key does not match ({exc.reason or exc})"
+    return exc.strerror or str(exc)
+
+
+@dataclass(frozen=True)
 class ListenConfig:
-    """``listen`` (and ``admin.listen``): where the router accepts connections."""
+    """``listen`` (and ``admin.listen``): where the router accepts connections, and on what terms.
+
+    The timeouts and caps protect the router from slow and idle clients (router/http/connections.py):
+    nginx's ``client_header_timeout``, ``client_body_timeout``, ``keepalive_timeout`` and
+    ``limit_conn``, at the connection level.
+    """
 
     #: Address to listen on (0.0.0.0: every interface).
     host: str = "127.0.0.1"
@@ -38,6 +96,35 @@ class ListenConfig:
     port: ListenPort = 8080
     #: On SIGTERM: stop accepting, then give in-flight responses this long before exiting anyway.
     drain_timeout_s: NonNegativeFloat = 60.0
+    #: HTTPS on this listener (null: plain HTTP).
+    tls: TLSConfig | None = None
+    #: A request's head (request line and headers) must arrive whole within this long of its first
+    #: byte (of the connection, for its first request); else the connection is closed. Also bounds
+    #: a TLS handshake.
+    header_timeout_s: PositiveFloat = 30.0
+    #: A request's body must make progress (some bytes) at least this often until it is whole.
+    body_timeout_s: PositiveFloat = 30.0
+    #: A kept-alive connection with no request for this long is closed. Keep it above the idle
+    #: timeout of any HTTP load balancer in front (AWS ALB: 60 s), or it races the LB's reuse.
+    idle_timeout_s: PositiveFloat = 75.0
+    #: Open client connections per process on this listener; beyond it a new connection is closed
+    #: at once. null: derived from the process's file-descriptor limit (half of it, less a reserve,
+    #: leaving a descriptor for each connection's upstream one; ``kvroute serve`` raises its soft
+    #: limit to the hard one at start).
+    max_connections: PositiveInt | None = None
+    #: Open connections per client IP address (null: no cap). Behind a proxy or load balancer every
+    #: client shares its address: cap there, or set this above the proxy's own connection count.
+    max_connections_per_client: PositiveInt | None = None
+
+
+def is_loopback(host: str) -> bool:
+    """Whether ``host`` names only this machine (``localhost``, 127.0.0.0/8, ``::1``)."""
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name: it may resolve anywhere
+        return False
 
 
 @dataclass(frozen=True)
@@ -181,19 +268,27 @@ def _read_keys_dir(path: Path) -> dict[str, list[str]]:
     return found
 
 
+#: Where the admin API listens by default: loopback only, reachable with ``kubectl port-forward``.
+DEFAULT_ADMIN_LISTEN = ListenConfig(host="127.0.0.1", port=8081)
+
+
 @dataclass(frozen=True)
 class AdminConfig:
-    """``admin``: who may call the admin API (drain, reload, debug views), and where it listens."""
+    """``admin``: who may call the admin API (drain, reload, debug views), and where it listens.
 
-    #: The admin key, inline, from an environment variable, or from a file (at most one). Without
-    #: one the admin API is open to whoever reaches it: bind it to a private ``listen`` then.
+    Safe by default: the admin API has a listener of its own on loopback (127.0.0.1:8081), never
+    the main one. Without an admin key it may only listen on loopback; with a key it may listen
+    anywhere, or share the main listener (``listen: null``).
+    """
+
+    #: The admin key, inline, from an environment variable, or from a file (at most one).
     key: NonEmptyStr | None = field(default=None, repr=False)
     #: ... or the name of an environment variable holding it.
     key_env: str | None = None
     #: ... or a file holding it (at most one of ``key``, ``key_env``, ``key_file``).
     key_file: str | None = None
-    #: ``{host, port}`` to serve the admin API on its own listener (and not on the main one).
-    listen: ListenConfig | None = None
+    #: The admin API's own listener; null serves it on the main listener (needs a key).
+    listen: ListenConfig | None = DEFAULT_ADMIN_LISTEN
 
     def admin_key(self) -> str | None:
         """The configured admin key, read from its source now (None: the admin API is open)."""
@@ -202,6 +297,11 @@ class AdminConfig:
         if self.key_file is not None:
             return Path(self.key_file).read_text(encoding="utf-8").strip() or None
         return self.key
+
+    @property
+    def keyed(self) -> bool:
+        """Whether a key is configured (its source is checked by ``validate``)."""
+        return any(x is not None for x in (self.key, self.key_env, self.key_file))
 
     def validate(self) -> list[str]:
         if sum(x is not None for x in (self.key, self.key_env, self.key_file)) > 1:
@@ -214,6 +314,22 @@ class AdminConfig:
                     return [f"key_file: {self.key_file} is empty"]
             except OSError as exc:
                 return [f"key_file: cannot read {self.key_file}: {exc.strerror}"]
+        return self.exposure_refused()
+
+    def exposure_refused(self) -> list[str]:
+        """Why this admin API would be open to the network, or nothing: no key, no public listener."""
+        if self.keyed:
+            return []
+        if self.listen is None:
+            return [
+                "listen: null serves the admin API on the main listener, which needs an admin key "
+                "(key, key_env or key_file); without one it listens on loopback only (the default)"
+            ]
+        if not is_loopback(self.listen.host):
+            return [
+                f"listen.host: {self.listen.host!r} is not a loopback address; without an admin key "
+                "(key, key_env or key_file) the admin API listens on loopback only (127.0.0.1)"
+            ]
         return []
 
 

@@ -18,7 +18,8 @@ peers costs a local round trip per worker per scrape, which happens every few se
 
 How series combine: counters and histograms (every bucket, ``_sum`` and ``_count``) are summed,
 so the group's ``rate()`` is the rate of all its workers. A gauge combines as its meaning asks
-(``GAUGE_ACROSS_WORKERS``): in-flight requests, memory and file descriptors are summed, the
+(``GAUGE_ACROSS_WORKERS``): in-flight requests, open client connections, memory and file
+descriptors are summed, the
 start time is the earliest, and every other gauge — the workers' views of the same fleet
 (health, circuit state, the engines' scraped numbers) — takes the maximum: a 0/1 state series
 reads "in at least one worker". If a worker does not answer, the scrape fails (503) rather than
@@ -42,6 +43,7 @@ from prometheus_client.registry import Collector
 #: How a gauge combines across workers when it is not the maximum (see the module docstring).
 GAUGE_ACROSS_WORKERS: dict[str, Callable[[Iterable[float]], float]] = {
     "kvroute_backend_in_flight": sum,
+    "kvroute_client_connections": sum,
     "kvroute_index_write_queue": sum,
     "process_resident_memory_bytes": sum,
     "process_virtual_memory_bytes": sum,

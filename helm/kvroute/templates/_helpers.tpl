@@ -60,6 +60,23 @@ app.kubernetes.io/component: redis
 {{- end }}
 {{- end }}
 
+{{/*
+A probe of the router's port (.probe: the values' probe) as TLS requires: over https with
+tls.existingSecret, and a TCP check with tls.clientCA (kubelet presents no client certificate).
+*/}}
+{{- define "kvroute.probe" -}}
+{{- $probe := deepCopy .probe }}
+{{- if and .root.Values.tls.existingSecret $probe.httpGet }}
+{{- if .root.Values.tls.clientCA }}
+{{- $_ := set $probe "tcpSocket" (dict "port" $probe.httpGet.port) }}
+{{- $_ := unset $probe "httpGet" }}
+{{- else }}
+{{- $_ := set $probe.httpGet "scheme" "HTTPS" }}
+{{- end }}
+{{- end }}
+{{- toYaml $probe }}
+{{- end }}
+
 {{- define "kvroute.image" -}}
 {{- if .Values.image.digest }}
 {{- printf "%s@%s" .Values.image.repository .Values.image.digest }}
@@ -84,14 +101,30 @@ the same prefix to different engines.
 
 {{/*
 The router's configuration file, built from .Values.config (the same keys as
-config.example.yaml). The chart owns `listen` (the container port and the SIGTERM drain),
+config.example.yaml). The chart owns `listen` (the container port, the SIGTERM drain, TLS),
+`admin.listen` (loopback unless admin.expose) and, with admin.existingSecret, `admin.key_env`,
 `discovery` when discovery.kubernetes is enabled (`backends` is dropped then), and with
 redis.enabled the index store and its connection; everything else is the user's.
 */}}
 {{- define "kvroute.config" -}}
 {{- $config := deepCopy .Values.config }}
 {{- $listen := dict "host" "0.0.0.0" "port" (int .Values.service.targetPort) "drain_timeout_s" (int .Values.termination.shutdownSeconds) }}
+{{- with .Values.tls.existingSecret }}
+{{- $tls := dict "cert" "/etc/kvroute/tls/tls.crt" "key" "/etc/kvroute/tls/tls.key" }}
+{{- if $.Values.tls.clientCA }}
+{{- $_ := set $tls "client_ca" "/etc/kvroute/tls/ca.crt" }}
+{{- end }}
+{{- $_ := set $listen "tls" $tls }}
+{{- end }}
 {{- $_ := set $config "listen" $listen }}
+{{- $admin := deepCopy ($config.admin | default dict) }}
+{{- $_ := set $admin "listen" (dict "host" (ternary "0.0.0.0" "127.0.0.1" .Values.admin.expose) "port" (int .Values.admin.port)) }}
+{{- if .Values.admin.existingSecret }}
+{{- $_ := set $admin "key_env" "KVROUTE_ADMIN_KEY" }}
+{{- else if and .Values.admin.expose (not (or $admin.key $admin.key_env $admin.key_file)) }}
+{{- fail "admin.expose needs an admin key: set admin.existingSecret (or config.admin.key_env with env)" }}
+{{- end }}
+{{- $_ := set $config "admin" $admin }}
 {{- with .Values.service.metricsPort }}
 {{- $_ := set $config "metrics" (dict "listen" (dict "host" "0.0.0.0" "port" (int .))) }}
 {{- end }}
