@@ -98,9 +98,9 @@ def _serve(args: argparse.Namespace) -> int:
     except ListenError as exc:
         print(f"kvroute: {exc}", file=sys.stderr)
         return 2
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s"
-    )
+    from router.http.logs import configure_logging
+
+    configure_logging(config.logging, config.log_level)
     if args.workers > 1:
         return serve_processes(config, args.workers, source)
     try:

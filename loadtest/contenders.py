@@ -122,8 +122,12 @@ def kvroute(
     workers: int = 1,
     redis_url: str | None = None,
     checkout: Path | None = None,
+    access_log: bool = False,
 ) -> Contender:
     """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``.
+
+    ``access_log``: with ``logging.access_log`` on (one line per request to its log file), as
+    the contender ``kvroute access-log``.
 
     ``checkout``: run the kvroute of another source tree (an earlier commit checked out with
     ``git worktree add``) instead of this one, as the contender ``kvroute baseline``, so a
@@ -134,11 +138,14 @@ def kvroute(
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         ADMIN_ON_A_FREE_PORT.format(port=free_port()) if workers > 1 else ADMIN_ON_ANY_PORT,
-        "log_level: warning",
+        # The access log is written at INFO; without it every logger stays at WARNING.
+        f"log_level: {'info' if access_log else 'warning'}",
         "routing: {policy: prefix_aware}",
     ]
     if redis_url:
         lines.append(f"index: {{store: redis, redis: {{url: '{redis_url}'}}}}")
+    if access_log:
+        lines.append("logging: {access_log: true}")
     lines.append("backends:")
     lines += [f"  - {{name: n{i}, url: '{url}', models: [{MODEL}]}}" for i, url in enumerate(backends)]
     config.write_text("\n".join(lines) + "\n")
@@ -151,6 +158,8 @@ def kvroute(
         module = "kvroute.cli" if (checkout / "kvroute" / "cli.py").is_file() else "router.cli"
         env = {"PYTHONPATH": str(checkout.resolve())}
         name = "kvroute baseline"
+    if access_log:
+        name = "kvroute access-log"
     command = [sys.executable, "-m", module, "serve", "--config", str(config)]
     if workers > 1:
         command += ["--workers", str(workers)]

@@ -14,6 +14,8 @@ small SSE chunks) and measures, one contender at a time:
 - ``floor``: aiohttp's server and kvroute's upstream client passing requests through with no
   routing at all (:mod:`loadtest.floor_proxy`): the cost of the stack kvroute is built on,
   below which nothing inside kvroute's request path can go;
+- ``kvroute access-log``, with ``--access-log``: kvroute with ``logging.access_log`` on, one
+  line per request written to its log file;
 - ``kvroute baseline``, with ``--baseline DIR``: the kvroute of another source tree (e.g.
   ``git worktree add /tmp/before HEAD~3``), so a change is measured against its parent in
   the same invocation, on the same noisy machine.
@@ -303,6 +305,8 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     if args.baseline:
         baseline = Path(args.baseline)
         contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, checkout=baseline))
+    if args.access_log:
+        contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, access_log=True))
     redis: RedisServer | None = None
     if args.workers > 1:
         missing = _workers_missing()
@@ -411,6 +415,11 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
     )
     parser.add_argument(
         "--baseline", default="", help="another kvroute source tree, measured as 'kvroute baseline'"
+    )
+    parser.add_argument(
+        "--access-log",
+        action="store_true",
+        help="also run kvroute with its access log on ('kvroute access-log')",
     )
     parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,floor,nginx,sglang")
     parser.add_argument(

@@ -26,9 +26,16 @@ from policies.params import ParamError, parse_params
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from router.fleet.settings import BackendConfig, DiscoveryConfig, EngineMetricsConfig, HealthConfig
-from router.http.settings import AdminConfig, AuthConfig, LimitsConfig, ListenConfig, MetricsConfig
+from router.http.settings import (
+    AdminConfig,
+    AuthConfig,
+    LimitsConfig,
+    ListenConfig,
+    LoggingConfig,
+    MetricsConfig,
+)
 from router.index.settings import IndexConfig
-from router.request_path.settings import RoutingConfig, TenancyConfig, UpstreamConfig
+from router.request_path.settings import RoutingConfig, TenancyConfig, TracingConfig, UpstreamConfig
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -63,6 +70,8 @@ class ConfigFile:
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     #: The router's log level: debug | info | warning | error.
     log_level: LogLevel = "info"
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    tracing: TracingConfig = field(default_factory=TracingConfig)
 
     def validate(self) -> list[str]:
         if not self.backends and self.discovery.kind == "static":

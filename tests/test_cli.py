@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 import re
 import socket
 import subprocess
@@ -299,7 +300,10 @@ def test_version_is_the_one_pyproject_defines():
 
 
 def help_of(*args: str) -> str:
-    result = subprocess.run([*KVROUTE, *args, "--help"], capture_output=True, text=True, timeout=30)
+    # Wide enough not to wrap: argparse breaks a long default (the shipped trace's path, as long
+    # as the checkout's) mid-word at the terminal's width.
+    env = {**os.environ, "COLUMNS": "1000"}
+    result = subprocess.run([*KVROUTE, *args, "--help"], capture_output=True, text=True, timeout=30, env=env)
     assert result.returncode == 0, result.stderr
     return " ".join(result.stdout.split())
 

@@ -106,6 +106,15 @@ def test_contender_configs(tmp_path):
     assert procs.pinned(["x"], None) == ["x"]
 
 
+def test_the_access_log_contender_logs_each_request(tmp_path):
+    logged = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None, access_log=True)
+    assert logged.name == "kvroute access-log"
+    config = load_config(logged.command[logged.command.index("--config") + 1])
+    assert config.logging.access_log and config.log_level == "info"
+    plain = procs.kvroute(tmp_path, ["http://127.0.0.1:9001"], cpus=None)
+    assert not load_config(plain.command[plain.command.index("--config") + 1]).logging.access_log
+
+
 def test_profile_summary_merges_lines_of_a_function():
     collapsed = "\n".join(
         [

@@ -129,6 +129,8 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
             "routing": {"policy": "least_load"},
             "metrics": {"listen": {"host": "127.0.0.1", "port": 1}},
             "upstream": {"tls": {"verify": False}},
+            "logging": {"format": "json", "access_log": True},
+            "tracing": {"enabled": True, "exporter": "none"},
         }
     )
     status, payload = await deployment.reload(http, ADMIN)
@@ -137,14 +139,19 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
         "listen",
         "index",
         "metrics",
+        "tracing",
         "limits.max_body_bytes",
         "upstream.tls",
+        "logging.format",
     ]
-    assert payload["changed"] == ["routing"]
+    # The access log follows the reload; the log format and tracing wait for a restart.
+    assert payload["changed"] == ["routing", "logging"]
     assert await complete(http, deployment.server.url) == (200, "least_load")
     running = deployment.server.app[RUNTIME].config
     assert running.listen.port == 0 and running.index.block_size == 256
     assert running.metrics.listen is None and running.upstream.tls.verify is True
+    assert running.logging.access_log is True and running.logging.format == "text"
+    assert running.tracing.enabled is False
 
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):

@@ -10,6 +10,7 @@ from multidict import CIMultiDict
 
 from router.config import TenancyConfig
 from router.errors import OpenAIError
+from router.request_path.endpoints import EMBEDDINGS, RERANK, RESPONSES, TRANSCRIPTIONS
 from router.request_path.request import CHAT, COMPLETIONS, RoutableRequest, parse_request
 
 TENANCY = TenancyConfig()
@@ -469,3 +470,79 @@ def test_a_message_that_extends_another_shares_its_leading_blocks():
     a, b = hasher.chain(short.prompt, seed), hasher.chain(long.prompt, seed)
     assert len(a) >= 10
     assert b[: len(a)] == a
+
+
+# --- the other endpoints (router/request_path/endpoints.py) ------------------------------------
+
+
+def test_a_response_is_keyed_as_the_chat_it_renders_into() -> None:
+    as_chat = prompt_of([msg("system", "be brief"), msg("user", "hello")])
+    as_string = parse({"model": "llama", "instructions": "be brief", "input": "hello"}, endpoint=RESPONSES)
+    items = [msg("user", [{"type": "input_text", "text": "hel"}, {"type": "input_text", "text": "lo"}])]
+    as_items = parse({"model": "llama", "instructions": "be brief", "input": items}, endpoint=RESPONSES)
+    assert as_string.prompt == as_items.prompt == as_chat
+    capped = parse({"model": "llama", "input": "x", "max_output_tokens": 9}, endpoint=RESPONSES)
+    assert capped.max_tokens == 9
+
+
+def test_response_items_without_a_role_are_keyed_by_their_content() -> None:
+    call = {"type": "function_call_output", "call_id": "c1", "output": "42"}
+    other = {**call, "output": "43"}
+    first = parse({"model": "m", "input": [msg("user", "q"), call]}, endpoint=RESPONSES).prompt
+    second = parse({"model": "m", "input": [msg("user", "q"), other]}, endpoint=RESPONSES).prompt
+    assert first != second and first.startswith(second[:5])
+
+
+@pytest.mark.parametrize(
+    ("body", "param"),
+    [
+        pytest.param({"model": "m"}, "input", id="missing-input"),
+        pytest.param({"model": "m", "input": []}, "input", id="empty-input"),
+        pytest.param({"model": "m", "input": 5}, "input", id="int-input"),
+        pytest.param({"model": "m", "input": ["x"]}, "input[0]", id="item-not-object"),
+        pytest.param({"model": "m", "input": [{"content": "x"}]}, "input[0]", id="item-without-role-or-type"),
+        pytest.param({"model": "m", "input": "x", "instructions": 3}, "instructions", id="int-instructions"),
+        pytest.param(
+            {"model": "m", "input": "x", "max_output_tokens": -1}, "max_output_tokens", id="neg-max"
+        ),
+    ],
+)
+def test_bad_responses_name_the_field(body: dict[str, Any], param: str) -> None:
+    error = expect_error(body, endpoint=RESPONSES)
+    assert (error.status, error.param) == (400, param)
+
+
+def test_an_embedding_input_is_keyed_like_a_completion_prompt() -> None:
+    for value in ("text", ["a", "b"], [1, 2, 3], [[1, 2], [3]]):
+        assert parse({"model": "m", "input": value}, endpoint=EMBEDDINGS).prompt == completion_prompt(value)
+    assert expect_error({"model": "m", "input": {"a": 1}}, endpoint=EMBEDDINGS).param == "input"
+
+
+def test_load_balanced_endpoints_carry_no_prompt() -> None:
+    routable = parse({"model": "m", "query": "q", "documents": ["d"]}, endpoint=RERANK)
+    assert (routable.model, routable.prompt) == ("m", b"")
+
+
+def test_a_forms_model_is_read_wherever_it_stands() -> None:
+    def part(name: str, value: bytes, filename: str = "") -> bytes:
+        extra = f'; filename="{filename}"' if filename else ""
+        return (
+            f'--b0undary\r\nContent-Disposition: form-data; name="{name}"{extra}\r\n\r\n'.encode()
+            + value
+            + b"\r\n"
+        )
+
+    # The audio holds bytes that look like a delimiter's start and a model field: only whole
+    # delimiters end a part.
+    audio = b'--b0und\r\nname="model"\r\n\r\nfake' * 100
+    body = (
+        part("file", audio, "a.wav")
+        + part("stream", b"true")
+        + part("model", b"whisper-1")
+        + b"--b0undary--\r\n"
+    )
+    headers = {"Content-Type": 'multipart/form-data; boundary="b0undary"'}
+    routable = parse(body, endpoint=TRANSCRIPTIONS, headers=headers)
+    assert (routable.model, routable.stream, routable.prompt, routable.body) == ("whisper-1", True, b"", body)
+    bad_stream = part("model", b"w") + part("stream", b"yes") + b"--b0undary--\r\n"
+    assert expect_error(bad_stream, endpoint=TRANSCRIPTIONS, headers=headers).param == "stream"

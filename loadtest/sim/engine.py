@@ -1,8 +1,13 @@
 """One simulated inference engine: vLLM's HTTP API over a real prefix cache and real time.
 
-Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` (streamed or not),
-``GET /v1/models``, ``GET /health``, ``GET /metrics`` (vLLM names, see :mod:`loadtest.sim.metrics`)
-and ``GET /sim/stats`` (JSON counters for tests and reports).
+Endpoints: ``POST /v1/chat/completions``, ``POST /v1/completions`` and ``POST /v1/responses``
+(streamed or not), ``POST /v1/embeddings``, ``/v1/rerank`` (``/rerank``, ``/v2/rerank``),
+``/v1/score`` (``/score``), ``/tokenize``, ``/detokenize``, ``/v1/audio/transcriptions``
+(shapes in :mod:`loadtest.sim.serving`), ``GET /v1/models``, ``GET /health``, ``GET /metrics``
+(vLLM names, see :mod:`loadtest.sim.metrics`) and ``GET /sim/stats`` (JSON counters for tests
+and reports). Everything that runs on the GPU in vLLM goes through the scheduler here: a
+pooling request (embeddings, rerank, score) is a prefill with one output, prefix-cached like
+any prompt; a transcription decodes its transcript; tokenize and detokenize do not.
 
 With ``kv_events="vllm"`` (or ``"sglang"``) the engine also publishes its cache's changes as KV
 events in that engine's format (:mod:`loadtest.sim.kv_events`), says where at that engine's own
@@ -23,7 +28,8 @@ import contextlib
 import itertools
 import ssl
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections import deque
+from collections.abc import AsyncIterator, Callable, Collection, Sequence
 
 import orjson
 from aiohttp import web
@@ -33,6 +39,7 @@ from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher, require_zm
 from loadtest.sim.metrics import CONTENT_TYPE, EngineMetrics
 from loadtest.sim.protocol import (
     DONE_FRAME,
+    TOKEN_TEXT,
     ApiError,
     GenerationRequest,
     Kind,
@@ -42,6 +49,22 @@ from loadtest.sim.protocol import (
     usage,
 )
 from loadtest.sim.scheduler import RequestRecord, Scheduler, SimRequest, State
+from loadtest.sim.serving import (
+    PairRequest,
+    ResponseShapes,
+    detokenize,
+    detokenize_ids,
+    embedding_body,
+    parse_embedding,
+    parse_rerank,
+    parse_responses,
+    parse_score,
+    rerank_body,
+    score_body,
+    tokenize_text,
+    transcript_tokens,
+    transcription_body,
+)
 from loadtest.sim.timing import EngineTiming
 from router.request_path.tokenize import chunk_token_ids
 
@@ -69,6 +92,12 @@ def _http_url(host: str, port: int, scheme: str = "http") -> str:
     return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
+#: The endpoint groups an engine can serve (``SimEngine(endpoints=...)``; default all).
+ENDPOINTS = frozenset(
+    {"chat", "completions", "embeddings", "rerank", "score", "tokenize", "transcriptions", "responses"}
+)
+
+
 class SimEngine:
     """A simulated vLLM server serving ``models`` (default ``("sim-model",)``).
 
@@ -84,6 +113,7 @@ class SimEngine:
         models: Sequence[str] = ("sim-model",),
         name: str = "sim",
         kv_events: Format | None = None,
+        endpoints: Collection[str] | None = None,
     ) -> None:
         if not models:
             raise ValueError("an engine serves at least one model")
@@ -105,10 +135,31 @@ class SimEngine:
         #: Set by :meth:`start`.
         self.url: str | None = None
         self.app = web.Application(client_max_size=_MAX_BODY_BYTES)
+        served = ENDPOINTS if endpoints is None else frozenset(endpoints)
+        unknown = served - ENDPOINTS
+        if unknown:
+            raise ValueError(f"unknown endpoints {sorted(unknown)}; known: {sorted(ENDPOINTS)}")
+        #: The endpoints served (an engine serving only some answers the others 404, as a vLLM
+        #: serving a generative model answers rerank).
+        self.endpoints = served
+        routes = {
+            "chat": [web.post("/v1/chat/completions", self._chat)],
+            "completions": [web.post("/v1/completions", self._completions)],
+            "embeddings": [web.post("/v1/embeddings", self._embeddings)],
+            "rerank": [web.post(path, self._rerank) for path in ("/v1/rerank", "/rerank", "/v2/rerank")],
+            "score": [web.post(path, self._score) for path in ("/v1/score", "/score")],
+            "tokenize": [web.post("/tokenize", self._tokenize), web.post("/detokenize", self._detokenize)],
+            "transcriptions": [web.post("/v1/audio/transcriptions", self._transcriptions)],
+            "responses": [web.post("/v1/responses", self._responses)],
+        }
+        self.app.add_routes([route for name in sorted(served) for route in routes[name]])
+        #: The headers of the most recent API requests (POSTs; newest last, bounded), for tests
+        #: of what the router sends upstream (request id, forwarding, trace context). Health
+        #: checks and scrapes are left out: they come at any time.
+        self.seen_headers: deque[dict[str, str]] = deque(maxlen=64)
+        self.app.middlewares.append(self._remember_headers)
         self.app.add_routes(
             [
-                web.post("/v1/chat/completions", self._chat),
-                web.post("/v1/completions", self._completions),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
                 web.get("/metrics", self._metrics),
@@ -311,6 +362,208 @@ class SimEngine:
             # Also catches aiohttp.ClientConnectionResetError (a subclass): the client went away.
             # The caller releases the request; nothing more can be sent.
             pass
+        return response
+
+    @web.middleware
+    async def _remember_headers(self, request: web.Request, handler) -> web.StreamResponse:
+        if request.method == "POST":
+            self.seen_headers.append(dict(request.headers))
+        return await handler(request)
+
+    def _next_id(self, prefix: str) -> str:
+        return f"{prefix}-{self.name}-{next(self._ids)}"
+
+    async def _json_body(self, request: web.Request) -> object:
+        try:
+            return orjson.loads(await request.read())
+        except orjson.JSONDecodeError as exc:
+            raise ApiError(400, f"Invalid JSON body: {exc}") from None
+
+    def _submit(
+        self,
+        request_id: str,
+        model: str,
+        text: str,
+        max_tokens: int,
+        stream: bool = False,
+        cached: bool = True,
+    ) -> SimRequest:
+        """Schedule ``text`` as a prompt (prefix-cached unless ``cached`` is False); a 400 if it
+        cannot fit, as vLLM refuses a request over ``max_model_len``."""
+        prompt_tokens = -(-len(text) // self.timing.chars_per_token)
+        if prompt_tokens + max_tokens > self.timing.max_model_len:
+            raise ApiError(
+                400,
+                f"This model's maximum context length is {self.timing.max_model_len} tokens. However, "
+                f"you requested {prompt_tokens + max_tokens} tokens.",
+            )
+        return self.scheduler.submit(
+            request_id=request_id,
+            model=model,
+            prompt_tokens=prompt_tokens,
+            hashes=self.cache.hashes(text, model) if cached else [],
+            max_tokens=max_tokens,
+            stream=stream,
+            token_ids=chunk_token_ids(text, self.timing.chars_per_token)
+            if self.publisher and cached
+            else None,
+        )
+
+    async def _finish(self, sim_request: SimRequest) -> SimRequest:
+        """Wait for a non-streamed request to finish; released on every path."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        try:
+            while sim_request.state is not State.FINISHED:
+                await sim_request.changed.wait()
+                sim_request.changed.clear()
+            return sim_request
+        finally:
+            self._in_flight.discard(task)
+            self.scheduler.release(sim_request)
+
+    async def _pooled(self, request_id: str, model: str, texts: list[str]) -> tuple[int, int]:
+        """Prefill each text as a pooling request (one output); ``(prompt tokens, cached tokens)``."""
+        prompt_tokens = cached_tokens = 0
+        for i, text in enumerate(texts):
+            done = await self._finish(self._submit(f"{request_id}-{i}", model, text, 1))
+            prompt_tokens += done.prompt_tokens
+            cached_tokens += done.cached_tokens
+        return prompt_tokens, cached_tokens
+
+    def _refused(self, error: ApiError) -> web.Response:
+        self.rejected += 1
+        return _error(error)
+
+    async def _embeddings(self, request: web.Request) -> web.Response:
+        try:
+            parsed = parse_embedding(await self._json_body(request), self.models)
+            response_id = self._next_id("embd")
+            prompt_tokens, cached = await self._pooled(response_id, parsed.model, parsed.inputs)
+        except ApiError as error:
+            return self._refused(error)
+        body = embedding_body(parsed, response_id, int(time.time()), prompt_tokens, cached)
+        return web.Response(body=body, content_type="application/json")
+
+    async def _rerank(self, request: web.Request) -> web.Response:
+        return await self._pairs(request, parse_rerank, "rerank", rerank_body)
+
+    async def _score(self, request: web.Request) -> web.Response:
+        return await self._pairs(request, parse_score, "score", score_body)
+
+    async def _pairs(
+        self,
+        request: web.Request,
+        parse: Callable[[object, tuple[str, ...]], PairRequest],
+        prefix: str,
+        build: Callable[[PairRequest, str, int, int], bytes],
+    ) -> web.Response:
+        """Rerank and score: each query-document pair is prefilled as one pooling request."""
+        try:
+            parsed = parse(await self._json_body(request), self.models)
+            response_id = self._next_id(prefix)
+            pairs = [parsed.query + document for document in parsed.documents]
+            prompt_tokens, _ = await self._pooled(response_id, parsed.model, pairs)
+        except ApiError as error:
+            return self._refused(error)
+        body = build(parsed, response_id, int(time.time()), prompt_tokens)
+        return web.Response(body=body, content_type="application/json")
+
+    async def _tokenize(self, request: web.Request) -> web.Response:
+        try:
+            _model, text = tokenize_text(await self._json_body(request), self.models)
+        except ApiError as error:
+            return self._refused(error)
+        tokens = chunk_token_ids(text, self.timing.chars_per_token)
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": self.timing.max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            _model, tokens = detokenize_ids(await self._json_body(request), self.models)
+        except ApiError as error:
+            return self._refused(error)
+        return _json({"prompt": detokenize(tokens)})
+
+    async def _transcriptions(self, request: web.Request) -> web.StreamResponse:
+        """A multipart form (``file``, ``model``, ``response_format``); the audio is not cached."""
+        form = await request.post()
+        upload = form.get("file")
+        try:
+            if not isinstance(upload, web.FileField):
+                raise ApiError(400, "`file` is required and must be an uploaded file.", "file")
+            model = form.get("model")
+            if model is not None and model not in self.models:
+                raise ApiError(404, f"The model `{model}` does not exist.", "model")
+            audio = upload.file.read()
+            tokens = transcript_tokens(audio)
+            done = await self._finish(
+                self._submit(self._next_id("trsc"), str(model or self.models[0]), "", tokens, cached=False)
+            )
+        except ApiError as error:
+            return self._refused(error)
+        body = transcription_body(audio, done.generated)
+        if form.get("response_format") == "text":
+            return web.Response(text=orjson.loads(body)["text"], content_type="text/plain")
+        return web.Response(body=body, content_type="application/json")
+
+    async def _responses(self, request: web.Request) -> web.StreamResponse:
+        try:
+            parsed = parse_responses(
+                await self._json_body(request), self.models, self.timing.default_max_tokens
+            )
+            response_id = self._next_id("resp")
+            sim_request = self._submit(
+                response_id, parsed.model, parsed.prompt, parsed.max_output_tokens, parsed.stream
+            )
+        except ApiError as error:
+            return self._refused(error)
+        shapes = ResponseShapes(parsed, response_id, int(time.time()))
+        if not parsed.stream:
+            done = await self._finish(sim_request)
+            text = TOKEN_TEXT * done.generated
+            usage_info = shapes.usage(done.prompt_tokens, done.generated, done.cached_tokens)
+            return _json(shapes.response("completed", text, usage_info))
+        return await self._stream_response(request, shapes, sim_request)
+
+    async def _stream_response(
+        self, http_request: web.Request, shapes: ResponseShapes, sim_request: SimRequest
+    ) -> web.StreamResponse:
+        """The Responses API's event stream: the opening events at once, a delta per token."""
+        task = asyncio.current_task()
+        assert task is not None
+        self._in_flight.add(task)
+        response = web.StreamResponse(
+            headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"}
+        )
+        response.enable_chunked_encoding()
+        try:
+            await response.prepare(http_request)
+            await response.write(shapes.opening())
+            sent = 0
+            while True:
+                if sim_request.generated > sent:
+                    await response.write(b"".join(shapes.delta() for _ in range(sent, sim_request.generated)))
+                    sent = sim_request.generated
+                if sim_request.state is State.FINISHED:
+                    break
+                await sim_request.changed.wait()
+                sim_request.changed.clear()
+            usage_info = shapes.usage(sim_request.prompt_tokens, sent, sim_request.cached_tokens)
+            await response.write(shapes.closing(TOKEN_TEXT * sent, usage_info))
+            await response.write_eof()
+        except ConnectionResetError:
+            pass  # the client went away; the request is released below
+        finally:
+            self._in_flight.discard(task)
+            self.scheduler.release(sim_request)
         return response
 
     async def _models(self, _request: web.Request) -> web.Response:

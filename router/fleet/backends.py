@@ -33,6 +33,8 @@ class Backend:
         self.tls = backend_tls(self.url, config.tls or tls or BackendTLSConfig())
         #: Configured models, or those last read from the backend's ``/v1/models``.
         self.models: frozenset[str] = frozenset(config.models or ())
+        #: The engine's own ``/v1/models`` entries by id, as last read (none for configured models).
+        self.model_cards: dict[str, dict[str, Any]] = {}
         #: Out of rotation until its first successful check (done before the router listens).
         self.healthy = False
         self.consecutive_failures = 0
@@ -198,6 +200,26 @@ class BackendPool:
 
     def models(self) -> list[str]:
         return sorted({m for b in self._backends.values() for m in b.models})
+
+    def model_cards(self) -> list[dict[str, Any]]:
+        """``/v1/models``: each model's entry as its first backend (in pool order) reported it,
+        with ``kvroute_backends`` naming every backend serving it. A configured model, never read
+        from an engine, gets a minimal entry."""
+        cards: dict[str, dict[str, Any]] = {}
+        for backend in self._backends.values():
+            for model in sorted(backend.models):
+                card = cards.get(model)
+                if card is None:
+                    own = backend.model_cards.get(model)
+                    card = (
+                        dict(own)
+                        if own is not None
+                        else {"id": model, "object": "model", "owned_by": "kvroute"}
+                    )
+                    card["kvroute_backends"] = []
+                    cards[model] = card
+                card["kvroute_backends"].append(backend.name)
+        return [cards[model] for model in sorted(cards)]
 
     def any_healthy(self) -> bool:
         return any(b.routable and b.models for b in self._backends.values())

@@ -89,15 +89,17 @@ class HealthMonitor:
                 f"{backend.url}/v1/models", timeout=timeout, **backend.client_options()
             ) as resp:
                 payload = await resp.json(content_type=None)
-            models = frozenset(
-                m["id"]
+            cards = {
+                m["id"]: m
                 for m in payload.get("data", [])
                 if isinstance(m, dict) and isinstance(m.get("id"), str)
-            )
+            }
+            models = frozenset(cards)
         except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError) as exc:
             log.warning("backend %s: cannot read /v1/models: %s", backend.name, exc)
             return
         if models != backend.models:
             log.info("backend %s serves %s", backend.name, sorted(models))
         backend.models = models
+        backend.model_cards = cards
         self._models_checked[backend.name] = now

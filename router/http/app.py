@@ -1,8 +1,9 @@
 """The HTTP face of the router: routes, body limits, error shapes, and the app's lifecycle.
 
-The request path starts in ``completions`` below: read the body once, parse it into a
-RoutableRequest (``router.request_path.request``), and hand it to the Dispatcher
-(``router.request_path.dispatch``).
+Every request first gets its id and context (router/http/request_context.py). A forwarded
+endpoint's request path starts in ``_forwarding_handler`` below: read the body once, parse it
+into a RoutableRequest (``router.request_path.request``), and hand it to the Dispatcher
+(``router.request_path.dispatch``). The endpoints are listed in router/request_path/endpoints.py.
 """
 
 from __future__ import annotations
@@ -25,13 +26,17 @@ from router.http.admin import admin_routes
 from router.http.auth import auth_middleware
 from router.http.config_view import config_routes
 from router.http.reload import Runtime, reload_routes
+from router.http.request_context import request_context
 from router.http.worker_metrics import MetricsUnavailable, WorkerGroup, group_exposition
 from router.index import PrefixIndex
 from router.index.build import build_index
 from router.metrics import RouterMetrics
+from router.request_path.context import CONTEXT
 from router.request_path.dispatch import Dispatcher
+from router.request_path.endpoints import ENDPOINTS, LABEL_OF_PATH, Endpoint
 from router.request_path.proxy import Proxy
-from router.request_path.request import CHAT, COMPLETIONS, TENANT, parse_request
+from router.request_path.request import TENANT, parse_request
+from router.request_path.tracing import Tracing
 from router.request_path.upstream import UpstreamPool
 
 log = logging.getLogger("kvroute.app")
@@ -48,16 +53,14 @@ RUNTIME = web.AppKey("runtime", Runtime)
 #: The admin API's own app, served on ``admin.listen`` (router/http/server.py); absent when the
 #: admin API shares the main listener (``admin.listen: null``, allowed only with an admin key).
 ADMIN_APP = web.AppKey("admin_app", web.Application)
+#: The tracer provider, with ``tracing.enabled`` (router/request_path/tracing.py).
+TRACING = web.AppKey("tracing", Tracing)
 #: ``/metrics``' own app when ``metrics.listen`` puts it on a separate port (router/http/server.py).
 METRICS_APP = web.AppKey("metrics_app", web.Application)
 
 
 def _json(payload: object, status: int = 200) -> web.Response:
     return web.Response(status=status, body=orjson.dumps(payload), content_type="application/json")
-
-
-#: ``endpoint`` label of router-made errors, by path; any other path is ``other`` (bounded labels).
-_ENDPOINT_LABELS = {"/v1/chat/completions": CHAT, "/v1/completions": COMPLETIONS, "/v1/models": "models"}
 
 
 @web.middleware
@@ -78,7 +81,8 @@ async def openai_errors(request: web.Request, handler) -> web.StreamResponse:
         if exc.status < 400:
             raise
         error = OpenAIError(exc.status, exc.reason, code=exc.reason.lower().replace(" ", "_"))
-    endpoint = _ENDPOINT_LABELS.get(request.path, "other")
+    # ``endpoint`` label by path; any other path is ``other`` (bounded labels).
+    endpoint = LABEL_OF_PATH.get(request.path, "other")
     request.app[METRICS].requests_by(endpoint, "", "", str(error.status)).inc()
     return error.response()
 
@@ -93,27 +97,29 @@ async def _read_body(request: web.Request, limit: int) -> bytes:
     return await request.read()
 
 
-def _completions_handler(endpoint: str):
-    async def completions(request: web.Request) -> web.StreamResponse:
+def _forwarding_handler(endpoint: Endpoint):
+    """The handler of an endpoint forwarded to the engines (router/request_path/endpoints.py)."""
+    name = endpoint.name
+
+    async def forward(request: web.Request) -> web.StreamResponse:
         runtime = request.app[RUNTIME]
         config = runtime.config
         body = await _read_body(request, config.limits.max_body_bytes)
         tenancy, session_header, tenant = config.tenancy, config.routing.session_header, request.get(TENANT)
-        routable = parse_request(endpoint, body, request.headers, tenancy, session_header, tenant)
+        routable = parse_request(name, body, request.headers, tenancy, session_header, tenant)
         # Per-tenant limits (router/http/ratelimit.py): refused before any backend is touched; the
         # slot is held until the response (stream included) ends, on every path.
         prompt_tokens = math.ceil(len(routable.prompt) / config.index.chars_per_token)
         with runtime.limiter.admit(routable.tenant, prompt_tokens):
-            return await request.app[DISPATCHER].dispatch(request, routable)
+            return await request.app[DISPATCHER].dispatch(request, routable, request[CONTEXT])
 
-    return completions
+    return forward
 
 
 async def models(request: web.Request) -> web.Response:
-    data = [
-        {"id": m, "object": "model", "created": 0, "owned_by": "kvroute"} for m in request.app[POOL].models()
-    ]
-    return _json({"object": "list", "data": data})
+    """Each engine's own model entry (vLLM's ``max_model_len``, ``root``, ``parent``...), the
+    first seen winning for a model several serve, with ``kvroute_backends`` naming them all."""
+    return _json({"object": "list", "data": request.app[POOL].model_cards()})
 
 
 async def health(request: web.Request) -> web.Response:
@@ -171,8 +177,12 @@ def build_app(
     # Client keys on /v1/, the admin key on /admin/ (router/http/auth.py), read through the runtime
     # so that a reload switches keys for the next request.
     guard = auth_middleware(lambda: runtime.keys, lambda: runtime.admin_key)
-    app = web.Application(middlewares=[openai_errors, guard], client_max_size=config.limits.max_body_bytes)
+    tracing = Tracing(config.tracing) if config.tracing.enabled else None
+    middlewares = [request_context(runtime, tracing), openai_errors, guard]
+    app = web.Application(middlewares=middlewares, client_max_size=config.limits.max_body_bytes)
     app[RUNTIME] = runtime
+    if tracing is not None:
+        app[TRACING] = tracing
     index = build_index(config, router_metrics)
     router_metrics.watch_index(index)
     app[CONFIG] = config
@@ -216,10 +226,14 @@ def build_app(
                     await shared_load.close()
                 await index.close()
                 upstream.close()
+                if tracing is not None:
+                    tracing.shutdown()
 
     app.cleanup_ctx.append(lifecycle)
-    app.router.add_post("/v1/chat/completions", _completions_handler(CHAT))
-    app.router.add_post("/v1/completions", _completions_handler(COMPLETIONS))
+    for endpoint in ENDPOINTS:
+        handler = _forwarding_handler(endpoint)
+        for path in endpoint.paths:
+            app.router.add_post(path, handler)
     app.router.add_get("/v1/models", models)
     app.router.add_get("/health", health)
     app.router.add_get("/ready", ready)

@@ -55,6 +55,8 @@ _SECRET_WORDS = frozenset(
         "tokens",
         "credential",
         "credentials",
+        # Headers sent to a service carry its credentials (``tracing.headers``: the collector's).
+        "headers",
     }
 )
 _WORD_SPLIT = re.compile(r"[_\-.]")

@@ -95,12 +95,11 @@ def refusal(config: Config, workers: int) -> str | None:
 def _process_main(
     config: Config, config_path: str | ConfigSource | None, supervisor: Connection, group: WorkerGroup
 ) -> None:
+    from router.http.logs import configure_logging
     from router.http.server import serve_forever
     from router.tasks import run_event_loop
 
-    logging.basicConfig(
-        level=config.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s[%(process)d]: %(message)s"
-    )
+    configure_logging(config.logging, config.log_level, process=True)
 
     def reload_peers() -> None:
         try:

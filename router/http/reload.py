@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvroute.reload")
 
 #: Sections a running router cannot change (see the module docstring).
-RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics")
+RESTART_SECTIONS = ("listen", "index", "discovery", "health", "engine_metrics", "metrics", "tracing")
 #: ``limits`` keys fixed in the HTTP server at start.
 RESTART_LIMITS = ("max_body_bytes", "max_line_size", "max_field_size", "max_headers")
 
@@ -141,6 +141,8 @@ class Runtime:
             restart.append("admin.listen")
         if old.upstream.tls != new.upstream.tls:
             restart.append("upstream.tls")
+        if old.logging.format != new.logging.format:
+            restart.append("logging.format")
         backends_live = old.discovery.kind == "static"
         if not backends_live and old.backends != new.backends:
             restart.append("backends")
@@ -174,10 +176,11 @@ class Runtime:
         admin = dataclasses.replace(new.admin, listen=old.admin.listen)
         # The pool's default TLS is that of the backends it built (router/fleet/backends.py).
         upstream = dataclasses.replace(new.upstream, tls=old.upstream.tls)
+        logs = dataclasses.replace(new.logging, format=old.logging.format)
         kept = {s: getattr(old, s) for s in RESTART_SECTIONS}
         if old.discovery.kind != "static":
             kept["backends"] = old.backends
-        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, **kept)
+        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, logging=logs, **kept)
 
     def _sync_backends(self, config: Config) -> None:
         """Make the pool match ``backends``; a replaced backend keeps its health if its URL stayed."""
@@ -194,6 +197,7 @@ class Runtime:
                 backend.healthy = previous.healthy
                 if backend.discovers_models:
                     backend.models = previous.models
+                    backend.model_cards = previous.model_cards
 
 
 def reload_routes(runtime: Runtime) -> list[web.RouteDef]:

@@ -1,4 +1,5 @@
-"""Settings of the HTTP surface: ``listen`` (and ``admin.listen``), ``limits``, ``auth``, ``admin``.
+"""Settings of the HTTP surface: ``listen`` (and ``admin.listen``), ``limits``, ``auth``, ``admin``,
+``logging``.
 
 Each section's type lives beside the code that reads it, at the bottom of the wing: it
 imports nothing of ``router`` above it, so ``router.config`` assembles it without importing
@@ -16,7 +17,7 @@ import ssl
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import msgspec
 import yaml
@@ -125,6 +126,18 @@ def is_loopback(host: str) -> bool:
         return ipaddress.ip_address(host).is_loopback
     except ValueError:  # a host name: it may resolve anywhere
         return False
+
+
+@dataclass(frozen=True)
+class LoggingConfig:
+    """``logging``: the shape of the router's log lines and its access log (router/http/logs.py)."""
+
+    #: ``text``: one human-readable line per record; ``json``: one JSON object per line, for
+    #: log pipelines (Loki, Elasticsearch, Cloud Logging). Applied at start.
+    format: Literal["text", "json"] = "text"
+    #: One line per request (logger ``kvroute.access``): id, tenant, model, backend, reason,
+    #: status, prompt tokens, cached tokens reported, TTFT and duration. Follows reloads.
+    access_log: bool = False
 
 
 @dataclass(frozen=True)

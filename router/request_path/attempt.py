@@ -19,7 +19,10 @@ gone, task cancelled, an unexpected exception), because its ``with`` block ends 
 * with ``index.closed_loop``, the **belief check**: the prediction, and the engine's cached
   tokens read from the response (router/request_path/beliefs.py);
 * its **metrics**: requests by status, latency, time to first token, upstream errors;
-* the **outcome** told to a policy that learns (``RoutingPolicy.on_outcome``).
+* the **outcome** told to a policy that learns (``RoutingPolicy.on_outcome``);
+* the request's **context** (router/request_path/context.py): backend, reason, time to first
+  token and the engine's cached tokens, for the access log; with tracing, its ``upstream``
+  span, whose context the engine receives as ``traceparent``.
 
 The proxy (router/request_path/proxy.py) reports what happens: ``answered``, ``first_byte``,
 then one of ``finished``, ``interrupted`` or ``client_gone``. A failure before the client got
@@ -40,9 +43,11 @@ from router.fleet.backends import Backend
 from router.index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.request_path.beliefs import BeliefCheck, ClosedLoop
+from router.request_path.context import REQUEST_ID_HEADER, RequestContext
+from router.request_path.endpoints import STREAM_USAGE_OPTION
 from router.request_path.proxy import UpstreamFailed
 from router.request_path.request import RoutableRequest
-from router.request_path.usage import UsageTap
+from router.request_path.usage import CachedTokensScan, ResponseTap
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -79,6 +84,7 @@ class Attempt:
         "_cached",
         "_chain",
         "_check",
+        "_context",
         "_error",
         "_index",
         "_label",
@@ -87,7 +93,9 @@ class Attempt:
         "_prefill",
         "_prefilling",
         "_routable",
+        "_scan",
         "_sent",
+        "_span",
         "_started",
         "_status",
         "_trial",
@@ -99,6 +107,7 @@ class Attempt:
         "headers",
         "tap",
         "tls",
+        "upstream_headers",
         "upstream_key",
         "url",
     )
@@ -110,10 +119,14 @@ class Attempt:
         view: RequestView,
         backend: Backend,
         decision: Decision,
-        started: float,
+        context: RequestContext,
         first_byte_timeout: float,
+        learns: bool = True,
     ) -> None:
+        """``learns``: tell the policy how this attempt ended (False when the policy did not
+        choose it: an endpoint balanced by load, router/request_path/endpoints.py)."""
         name = backend.name
+        started = context.started
         chain = view.chain
         matched_tokens = decision.matched_blocks * books.block_tokens
         self._books = books
@@ -121,7 +134,8 @@ class Attempt:
         self._view = view
         self._started = started
         self._matched_tokens = matched_tokens
-        self._learner = books.learner
+        self._learner = books.learner if learns else None
+        self._context = context
         #: When this attempt was sent, for the outcome's time to first token: a backend that
         #: took over after a failed attempt is not charged that attempt's wait. (The TTFT
         #: metric measures the whole request, from ``started``.) Read only for a learner.
@@ -142,7 +156,15 @@ class Attempt:
             "x-kvroute-backend": name,
             "x-kvroute-reason": decision.reason,
             "x-kvroute-matched-tokens": str(matched_tokens),
+            REQUEST_ID_HEADER: context.id,
         }
+        context.attempts += 1
+        context.backend, context.reason, context.matched_tokens = name, decision.reason, matched_tokens
+        trace = context.trace
+        self._span = trace.attempt(name, backend.url, context.attempts) if trace is not None else None
+        self.upstream_headers = (
+            context.upstream_headers if self._span is None else self._span.headers(context.upstream_headers)
+        )
         # Beliefs are about a chain: a prompt without one (a policy that does not match
         # prefixes, a prompt shorter than a block) has none to follow.
         self._chain = chain
@@ -153,11 +175,13 @@ class Attempt:
         if books.closed_loop is not None and chain:
             check = BeliefCheck(
                 books.closed_loop, name, chain, decision.matched_blocks, view.prompt_tokens, routable.body,
-                routable.stream,
+                routable.stream and routable.endpoint in STREAM_USAGE_OPTION,
             )  # fmt: skip
         self._check = check
         self.body = check.body if check is not None else routable.body
-        self.tap: UsageTap | None = check.tap if check is not None else None
+        # Without the closed loop's tap, the access log still wants the engine's cached tokens.
+        self._scan = CachedTokensScan() if check is None and context.wants_usage else None
+        self.tap: ResponseTap | None = check.tap if check is not None else self._scan
         backend.in_flight += 1
         self._trial = backend.circuit.begin()
         self._prefill = max(0, view.prompt_tokens - matched_tokens)
@@ -191,6 +215,7 @@ class Attempt:
         """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
         self._release_prefill()
         self._ttft = at - self._sent
+        self._context.ttft = at - self._started
         self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
@@ -215,6 +240,7 @@ class Attempt:
         """The client left (or its handler was cancelled): not the backend's doing, no verdict."""
         self._label = CLIENT_CLOSED
         self._error = "client_gone"
+        self._context.status = int(CLIENT_CLOSED)
 
     # -- what the dispatcher's ``with`` books --------------------------------------------------
 
@@ -241,6 +267,11 @@ class Attempt:
         backend.circuit.end(self._trial)
         backend.in_flight -= 1
         label = self._label or CLIENT_CLOSED
+        if self._scan is not None:
+            self._cached = self._scan.cached
+        self._context.cached_tokens = self._cached
+        if self._span is not None:
+            self._span.end(self._status, self._error)
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
         metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:

@@ -8,6 +8,12 @@ is an Attempt (router/request_path/attempt.py): it holds the backend's counters,
 trial and pending prefill, follows the index's belief lifecycle and tells the policy how it
 ended, and gives everything back on every path; this module only decides what to try next.
 
+Endpoints without a cacheable prompt (router/request_path/endpoints.py: rerank, score,
+tokenize, transcriptions...) skip the key and match steps and are chosen by least load,
+whatever the configured policy. Each request's RequestContext (router/request_path/context.py)
+learns what happened, for the access log and the request's span; with tracing, the routing
+decision is a ``route`` span and each attempt an ``upstream`` span.
+
 Retries: a backend that fails before the client got a byte (router/request_path/proxy.py says which
 failures count) is replaced by the policy's pick among the remaining candidates, at most
 ``upstream.max_attempts`` backends in all and never after ``upstream.retry_deadline_s``.
@@ -18,10 +24,12 @@ from __future__ import annotations
 import logging
 import math
 import time
+from dataclasses import dataclass
 
 from aiohttp import web
 
 from policies.routing.base import RoutingPolicy
+from policies.routing.least_load import LeastLoad
 from policies.types import Decision, RequestView
 from router.config import Config
 from router.errors import OpenAIError
@@ -30,11 +38,30 @@ from router.index import PrefixIndex
 from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks
 from router.request_path.beliefs import BeliefMetrics, ClosedLoop
+from router.request_path.context import RequestContext
+from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 
 log = logging.getLogger("kvroute.dispatch")
+
+
+@dataclass(frozen=True, slots=True)
+class _Route:
+    """What one request is routed with: the policy, the candidates and their matches."""
+
+    policy: RoutingPolicy
+    #: The policy's ``policy`` metric label.
+    label: str
+    candidates: list[Backend]
+    matches: dict[str, int]
+    #: The endpoint's prompt is prefix-routed by the configured policy (else load-balanced).
+    prefix_routed: bool
+    #: When the dispatcher took the request (``time.perf_counter()``), for the decision time.
+    dispatched: float
+    #: The same moment as a span timestamp, for the ``route`` span; 0 without tracing.
+    trace_started: int
 
 
 class Dispatcher:
@@ -63,6 +90,8 @@ class Dispatcher:
             closed_loop = ClosedLoop(index, self.keyer.block_tokens, tolerance, beliefs)
         self.books = AttemptBooks(metrics, index, self.keyer.block_tokens, closed_loop)
         self.policy = policy
+        #: The policy of endpoints balanced by load (router/request_path/endpoints.py).
+        self._balancer = LeastLoad(seed=config.routing.seed)
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -75,14 +104,26 @@ class Dispatcher:
         self._policy_label = policy.name or type(policy).__name__
         self.books.follow(policy)
 
-    async def dispatch(self, request: web.Request, routable: RoutableRequest) -> web.StreamResponse:
-        started = time.perf_counter()
+    async def dispatch(
+        self, request: web.Request, routable: RoutableRequest, context: RequestContext
+    ) -> web.StreamResponse:
+        dispatched = time.perf_counter()
+        context.endpoint, context.model, context.tenant = routable.endpoint, routable.model, routable.tenant
+        trace = context.trace
+        trace_started = trace.now() if trace is not None else 0
         candidates = self._candidates(routable.model)
-        keyed = self._policy.uses_prefix_match
+        # Endpoints without a cacheable prompt are balanced by load, whatever the policy.
+        prefix_routed = routable.endpoint in PREFIX_ROUTED
+        policy, label = (
+            (self._policy, self._policy_label) if prefix_routed else (self._balancer, LeastLoad.name)
+        )
+        keyed = policy.uses_prefix_match
         view = self.keyer.view(routable, keyed)
+        context.prompt_tokens = view.prompt_tokens
         matches = await self._match(view.chain, candidates) if keyed else {}
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
-        return await self._forward(request, routable, view, candidates, matches, started)
+        route = _Route(policy, label, candidates, matches, prefix_routed, dispatched, trace_started)
+        return await self._forward(request, routable, view, route, context)
 
     def _candidates(self, model: str) -> list[Backend]:
         """The backends serving ``model`` that are in rotation (the filter)."""
@@ -115,14 +156,15 @@ class Dispatcher:
         request: web.Request,
         routable: RoutableRequest,
         view: RequestView,
-        candidates: list[Backend],
-        matches: dict[str, int],
-        started: float,
+        route: _Route,
+        context: RequestContext,
     ) -> web.StreamResponse:
         """Choose and try backends until one answers, within the attempts and the deadline."""
         upstream = self.config.upstream
+        started = context.started
         deadline = started + upstream.retry_deadline_s
         failures: list[str] = []
+        candidates = route.candidates
         for number in range(upstream.max_attempts):
             remaining = deadline - time.perf_counter()
             if number:
@@ -130,14 +172,18 @@ class Dispatcher:
                 candidates = [b for b in candidates if b.routable]
             if not candidates or remaining <= 0:
                 break
-            backend, decision = self._choose(view, candidates, matches)
+            backend, decision = self._choose(route, view, candidates)
             if number:
                 self.metrics.retries.inc()
             else:
-                self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - started)
+                self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - route.dispatched)
+                if context.trace is not None:
+                    context.trace.routed(route.trace_started, route.label, decision, view, candidates)
             timeout = min(upstream.first_byte_timeout_s, remaining)
             try:
-                with Attempt(self.books, routable, view, backend, decision, started, timeout) as attempt:
+                with Attempt(
+                    self.books, routable, view, backend, decision, context, timeout, route.prefix_routed
+                ) as attempt:
                     return await self.proxy.forward(request, attempt)
             except UpstreamFailed as exc:
                 log.warning(
@@ -151,13 +197,13 @@ class Dispatcher:
         raise self._exhausted(failures, deadline)
 
     def _choose(
-        self, view: RequestView, candidates: list[Backend], matches: dict[str, int]
+        self, route: _Route, view: RequestView, candidates: list[Backend]
     ) -> tuple[Backend, Decision]:
         """The policy's pick among the candidates' views (the scorers and the picker)."""
-        blocks_of = self.index.blocks_of
+        blocks_of, matches = self.index.blocks_of, route.matches
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
-        decision = self._policy.choose(view, views)
-        self.metrics.decisions_by(self._policy_label, decision.reason).inc()
+        decision = route.policy.choose(view, views)
+        self.metrics.decisions_by(route.label, decision.reason).inc()
         self.metrics.matched_tokens_by(view.model).inc(decision.matched_blocks * view.block_tokens)
         log.debug(
             "route model=%s backend=%s reason=%s matched_blocks=%d of %d",
@@ -170,7 +216,7 @@ class Dispatcher:
         for backend in candidates:
             if backend.name == decision.backend:
                 return backend, decision
-        raise RuntimeError(f"policy {self._policy_label} chose {decision.backend!r}, not a candidate")
+        raise RuntimeError(f"policy {route.label} chose {decision.backend!r}, not a candidate")
 
     def _exhausted(self, failures: list[str], deadline: float) -> OpenAIError:
         """The error when no attempt is left: the deadline passed (504), or no backend could (502)."""

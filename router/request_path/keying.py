@@ -21,7 +21,8 @@ from abc import ABC, abstractmethod
 from policies.types import RequestView
 from router.index.keys import PrefixHasher, block_keys, chain_seed
 from router.index.settings import IndexConfig
-from router.request_path.request import CHAT, RoutableRequest
+from router.request_path.prompts import token_input
+from router.request_path.request import RoutableRequest
 from router.request_path.tokenize import Tokenizer, load_tokenizer
 
 
@@ -78,7 +79,8 @@ class TokenKeyer(Keyer):
         self._tokenizer = tokenizer
 
     def chain(self, routable: RoutableRequest) -> tuple[list[int], int | None]:
-        ids = self._tokenizer.prompt_ids(routable.document, routable.endpoint == CHAT)
+        body, chat = token_input(routable.endpoint, routable.document)
+        ids = self._tokenizer.prompt_ids(body, chat)
         return block_keys(ids, self.block_tokens), len(ids)
 
 

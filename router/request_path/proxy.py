@@ -33,7 +33,7 @@ from router.errors import OpenAIError
 from router.fleet.tls import BackendTLS
 from router.request_path.request import TENANT
 from router.request_path.upstream import UpstreamError, UpstreamPool, UpstreamResponse
-from router.request_path.usage import UsageTap
+from router.request_path.usage import ResponseTap
 
 #: RFC 9110 §7.6.1 connection-specific headers, plus those the router sets itself.
 _NOT_FORWARDED = frozenset(
@@ -135,12 +135,14 @@ class Forwarding(Protocol):
     #: The engine's own API key (``backends[].upstream_api_key``), or None.
     upstream_key: str | None
     body: bytes
-    #: Headers added to the response (``x-kvroute-*``).
+    #: Headers added to the response (``x-kvroute-*``, the request id).
     headers: Mapping[str, str]
+    #: Headers set on the request upstream, over the client's (request id, forwarding, trace).
+    upstream_headers: Mapping[str, str]
     #: Bounds the wait from sending to the first body byte.
     first_byte_timeout: float | None
     #: Sees the response go by, for the engine's usage report (router/request_path/usage.py).
-    tap: UsageTap | None
+    tap: ResponseTap | None
 
     def answered(self, status: int) -> None: ...
 
@@ -197,6 +199,7 @@ class Proxy:
     async def _open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk; a retryable status fails the attempt."""
         outgoing = _copy_headers(request.headers)
+        outgoing.update(attempt.upstream_headers)
         if attempt.upstream_key is not None or TENANT in request:
             upstream_credentials(outgoing, attempt.upstream_key)
         upstream = await self.upstream.post(
@@ -218,7 +221,7 @@ class Proxy:
         upstream: UpstreamResponse,
         first: bytes,
         headers: CIMultiDict[str],
-        tap: UsageTap | None,
+        tap: ResponseTap | None,
     ) -> web.Response:
         try:
             data = first + await upstream.read()
@@ -242,7 +245,7 @@ class Proxy:
         upstream: UpstreamResponse,
         first: bytes,
         headers: CIMultiDict[str],
-        tap: UsageTap | None,
+        tap: ResponseTap | None,
     ) -> web.StreamResponse:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)

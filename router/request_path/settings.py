@@ -10,7 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from importlib.util import find_spec
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
+
+import msgspec
 
 from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
 from router.fleet.settings import BackendTLSConfig
@@ -57,6 +59,54 @@ class UpstreamConfig:
     #: TLS to engines at ``https://`` URLs that have no ``tls`` of their own (discovered ones
     #: included): CA bundle, client certificate, verification, SNI. Changing it needs a restart.
     tls: BackendTLSConfig = field(default_factory=BackendTLSConfig)
+    #: Tell the engines who the client is: append its address to ``X-Forwarded-For`` and set
+    #: ``X-Forwarded-Proto`` (kept when a proxy in front already set it), as nginx and Envoy do.
+    forwarded_headers: bool = True
+
+
+@dataclass(frozen=True)
+class TracingConfig:
+    """``tracing``: OpenTelemetry spans of every request (router/request_path/tracing.py).
+
+    Needs the ``otel`` extra (``pip install 'kvroute[otel]'``). Endpoint, headers and TLS of
+    the exporter default to the standard ``OTEL_EXPORTER_OTLP_*`` environment variables.
+    """
+
+    enabled: bool = False
+    #: ``otlp``: export over OTLP; ``none``: spans are made and propagated but not exported
+    #: (the engines' spans still nest under the router's context).
+    exporter: Literal["otlp", "none"] = "otlp"
+    #: OTLP over HTTP (protobuf, port 4318) or gRPC (port 4317).
+    protocol: Literal["http/protobuf", "grpc"] = "http/protobuf"
+    #: The collector's URL, e.g. ``http://otel-collector:4318/v1/traces``; null: the environment's.
+    endpoint: str | None = None
+    #: Extra headers sent to the collector (an auth token, a tenant).
+    headers: dict[str, str] = field(default_factory=dict)
+    service_name: NonEmptyStr = "kvroute"
+    #: Share of new traces sampled; a request continuing a client's trace follows its decision.
+    sample_ratio: Annotated[float, msgspec.Meta(ge=0, le=1)] = 1.0
+
+    def validate(self) -> list[str]:
+        if not self.enabled:
+            return []
+        needed = ["opentelemetry.sdk"]
+        if self.exporter == "otlp":
+            needed.append(
+                "opentelemetry.exporter.otlp.proto.grpc"
+                if self.protocol == "grpc"
+                else "opentelemetry.exporter.otlp.proto.http"
+            )
+        absent = [name for name in needed if not _importable(name)]
+        if absent:
+            return [f"enabled: needs {', '.join(absent)}; install kvroute[otel]"]
+        return []
+
+
+def _importable(module: str) -> bool:
+    try:
+        return find_spec(module) is not None
+    except ModuleNotFoundError:  # a parent package is missing
+        return False
 
 
 @dataclass(frozen=True)

@@ -14,7 +14,8 @@ bytes of a stream would delay it.
 
 from __future__ import annotations
 
-from typing import Any
+import re
+from typing import Any, Protocol
 
 import orjson
 
@@ -23,10 +24,11 @@ _EVENT_END = b"\n\n"
 
 
 def cached_tokens(usage: Any) -> int | None:
-    """``usage.prompt_tokens_details.cached_tokens``, or None when the engine did not report it."""
+    """``usage.prompt_tokens_details.cached_tokens`` (the Responses API's
+    ``usage.input_tokens_details.cached_tokens``), or None when the engine did not report it."""
     if not isinstance(usage, dict):
         return None
-    details = usage.get("prompt_tokens_details")
+    details = usage.get("prompt_tokens_details") or usage.get("input_tokens_details")
     cached = details.get("cached_tokens") if isinstance(details, dict) else None
     return cached if isinstance(cached, int) and not isinstance(cached, bool) and cached >= 0 else None
 
@@ -42,6 +44,16 @@ def request_usage(body: bytes) -> bytes | None:
         return None
     parsed["stream_options"] = {**options, "include_usage": True}
     return orjson.dumps(parsed)
+
+
+class ResponseTap(Protocol):
+    """What the proxy shows a response as it goes by (router/request_path/proxy.py)."""
+
+    def body(self, data: bytes) -> None:
+        """A whole non-streamed response body."""
+
+    def chunk(self, chunk: bytes) -> bytes:
+        """One read of a stream; returns what to send on to the client."""
 
 
 class UsageTap:
@@ -88,4 +100,39 @@ class UsageTap:
         self.usage = parsed["usage"]
         if self.strip and not parsed.get("choices"):
             return chunk.replace(event + _EVENT_END, b"", 1)
+        return chunk
+
+
+_CACHED_KEY = b'"cached_tokens"'
+_CACHED_VALUE = re.compile(rb'"cached_tokens"\s*:\s*(\d+)')
+
+
+def _last_cached(data: bytes) -> int | None:
+    # Generated text is JSON-escaped (\"), so an unescaped key is the engine's own.
+    at = data.rfind(_CACHED_KEY)
+    if at < 0:
+        return None
+    found = _CACHED_VALUE.match(data, at)
+    return int(found.group(1)) if found else None
+
+
+class CachedTokensScan:
+    """Reads the engine's reported cached tokens off a response for the access log, without
+    parsing it: a scan for the ``"cached_tokens"`` key (``usage.prompt_tokens_details`` or the
+    Responses API's ``usage.input_tokens_details``), the last one seen winning. The same
+    interface as UsageTap, which the closed loop uses when it is on (and then reads it)."""
+
+    __slots__ = ("cached",)
+
+    def __init__(self) -> None:
+        self.cached: int | None = None
+
+    def body(self, data: bytes) -> None:
+        self.cached = _last_cached(data)
+
+    def chunk(self, chunk: bytes) -> bytes:
+        if _CACHED_KEY in chunk:
+            found = _last_cached(chunk)
+            if found is not None:
+                self.cached = found
         return chunk
