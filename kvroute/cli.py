@@ -123,8 +123,15 @@ def _sim(args: argparse.Namespace) -> int:
             return 2
 
     logging.basicConfig(level=logging.INFO)
-    timing = EngineTiming(kv_blocks=args.kv_blocks)
-    run_event_loop(serve_fleet(args.engines, args.host, args.port, timing, kv_events=args.kv_events))
+    link = {"kv_link_bytes_per_s": args.kv_link_gbytes_per_s * 1e9} if args.kv_link_gbytes_per_s else {}
+    if args.kv_bytes_per_token:
+        link["kv_bytes_per_token"] = args.kv_bytes_per_token
+    if args.kv_blocks:
+        link["kv_blocks"] = args.kv_blocks
+    timing = EngineTiming(**link)
+    roles = ["prefill"] * args.prefill + ["decode"] * args.decode
+    count = len(roles) or args.engines
+    run_event_loop(serve_fleet(count, args.host, args.port, timing, kv_events=args.kv_events, roles=roles))
     return 0
 
 
@@ -181,8 +188,11 @@ _BENCHMARKS = {
 def _bench(args: argparse.Namespace) -> int:
     import importlib
 
-    module = importlib.import_module(_BENCHMARKS[args.benchmark])
-    return module.main(args.options, prog=f"kvroute bench {args.benchmark}")
+    module = _BENCHMARKS[args.benchmark]
+    if args.benchmark == "routing" and any(o == "--pd" or o.startswith("--pd=") for o in args.options):
+        # A prefill/decode fleet: its own contenders and figures (loadtest/bench_disaggregation.py).
+        module = "loadtest.bench_disaggregation"
+    return importlib.import_module(module).main(args.options, prog=f"kvroute bench {args.benchmark}")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -244,6 +254,23 @@ def build_parser() -> argparse.ArgumentParser:
         "--kv-events",
         choices=ENGINE_KINDS,
         help="also publish KV cache events over ZMQ in this engine's format (for index.mode: events)",
+    )
+    sim.add_argument(
+        "--prefill",
+        type=int,
+        default=0,
+        help="prefill/decode disaggregation: this many prefill engines first, then --decode ones "
+        "(they replace --engines; both protocols: SGLang bootstrap, vLLM kv_transfer_params)",
+    )
+    sim.add_argument("--decode", type=int, default=0, help="decode engines after the --prefill ones")
+    sim.add_argument(
+        "--kv-bytes-per-token", type=int, default=0, help="KV bytes per token handed over (default 131072)"
+    )
+    sim.add_argument(
+        "--kv-link-gbytes-per-s",
+        type=float,
+        default=0.0,
+        help="prefill-to-decode link bandwidth in GB/s (default 100)",
     )
     sim.set_defaults(func=_sim)
 

@@ -42,7 +42,7 @@ import msgspec
 
 from kvroute.config_reference import REFERENCE_PAGE, page_with_reference
 from router.config import ConfigFile
-from router.fleet.settings import KubernetesDiscoveryConfig
+from router.fleet.settings import KubernetesDiscoveryConfig, RoleSource
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS_SCHEMA = ROOT / "docs" / "config.schema.json"
@@ -62,9 +62,9 @@ def config_schema() -> dict[str, Any]:
 
 def chart_values_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     """The chart's ``values_schema`` with the router's config schema inlined where the values
-    hold router settings: ``config`` (without ``listen``, ``admin.listen`` and ``metrics``, set by the
-    chart) and
-    ``discovery.kubernetes.settings``."""
+    hold router settings: ``config`` (without ``listen``, ``admin.listen`` and ``metrics``, set by
+    the chart), ``discovery.kubernetes.settings`` and ``discovery.kubernetes.roles`` (prefill/decode
+    disaggregation: one label selector per role, which then stands for the settings' own)."""
     schema = copy.deepcopy(values_schema)
     config = _inlined(_schema_of(ConfigFile))
     config["description"] = (
@@ -82,8 +82,18 @@ def chart_values_schema(values_schema: dict[str, Any]) -> dict[str, Any]:
     settings = _inlined(_schema_of(KubernetesDiscoveryConfig))
     settings["description"] = "The router's discovery.kubernetes section (config.example.yaml)"
     settings["properties"]["label_selector"]["minLength"] = 1
-    settings["required"] = ["label_selector"]
-    schema["properties"]["discovery"]["properties"]["kubernetes"]["properties"]["settings"] = settings
+    kubernetes = schema["properties"]["discovery"]["properties"]["kubernetes"]
+    kubernetes["properties"]["settings"] = settings
+    role = _inlined(_schema_of(RoleSource))
+    role["properties"]["label_selector"]["minLength"] = 1
+    role["required"] = ["role", "label_selector"]
+    kubernetes["properties"]["roles"] = {
+        "type": "array",
+        "items": role,
+        "description": "The router's discovery.roles: one EndpointSlice label selector per role",
+    }
+    kubernetes["if"] = {"properties": {"roles": {"minItems": 1}}, "required": ["roles"]}
+    kubernetes["else"] = {"properties": {"settings": {"required": ["label_selector"]}}}
     return schema
 
 

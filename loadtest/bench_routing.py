@@ -195,19 +195,26 @@ async def _received(urls: Sequence[str]) -> list[int]:
         return counts
 
 
+def start_serving(engines: Contender, count: int, router: Contender, workdir: Path) -> str:
+    """Start ``count`` engines (``kvroute sim`` on consecutive ports) and the router in front of
+    them; the router's URL once it serves a request."""
+    engines.start(workdir)
+    for i in range(count):
+        wait_listening(engines.port + i, 30.0, engines.process)
+    router.start(workdir)
+    wait_listening(router.port, 60.0, router.process)
+    url = f"http://127.0.0.1:{router.port}"
+    asyncio.run(_ready(url, 60.0))
+    return url
+
+
 def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], workdir: Path) -> Row:
     engines, urls = _engines(bench, workdir)
     router = sglang(urls, None) if name == "sglang" else _kvroute(name, bench, urls, workdir)
     if router.missing:
         return Row(name, [], 0.0, [], missing=router.missing)
     try:
-        engines.start(workdir)
-        for i in range(bench.engines):
-            wait_listening(engines.port + i, 30.0, engines.process)
-        router.start(workdir)
-        wait_listening(router.port, 60.0, router.process)
-        url = f"http://127.0.0.1:{router.port}"
-        asyncio.run(_ready(url, 60.0))
+        url = start_serving(engines, bench.engines, router, workdir)
         warm = asyncio.run(_received(urls))
         started = time.perf_counter()
         results = asyncio.run(_replay(url, requests, bench))

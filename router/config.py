@@ -35,7 +35,13 @@ from router.http.settings import (
     MetricsConfig,
 )
 from router.index.settings import IndexConfig
-from router.request_path.settings import RoutingConfig, TenancyConfig, TracingConfig, UpstreamConfig
+from router.request_path.settings import (
+    DisaggregationConfig,
+    RoutingConfig,
+    TenancyConfig,
+    TracingConfig,
+    UpstreamConfig,
+)
 
 LogLevel = Literal["debug", "info", "warning", "error"]
 
@@ -68,6 +74,7 @@ class ConfigFile:
     auth: AuthConfig = field(default_factory=AuthConfig)
     admin: AdminConfig = field(default_factory=AdminConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    disaggregation: DisaggregationConfig = field(default_factory=DisaggregationConfig)
     #: The router's log level: debug | info | warning | error.
     log_level: LogLevel = "info"
     logging: LoggingConfig = field(default_factory=LoggingConfig)
@@ -85,13 +92,15 @@ class ConfigFile:
 
 @dataclass(frozen=True)
 class Config(ConfigFile):
-    """A loaded config: the document, and the routing policy built from it at load.
+    """A loaded config: the document, and the routing policies built from it at load.
 
-    The policy is built once per load (start or reload) and used by the app and the reload
-    alike; it is no part of the document, so it is left out of comparisons and the repr.
+    The policies are built once per load (start or reload) and used by the app and the reload
+    alike; they are no part of the document, so they are left out of comparisons and the repr.
     """
 
     policy: RoutingPolicy = field(kw_only=True, compare=False, repr=False)
+    #: Chooses the decode engine of a prefill/decode pair (``disaggregation.decode_routing``).
+    decode_policy: RoutingPolicy = field(kw_only=True, compare=False, repr=False)
 
     def document(self) -> ConfigFile:
         """The document alone, without the policy built from it."""
@@ -109,11 +118,23 @@ def _sections(document: ConfigFile) -> dict[str, Any]:
 
 
 def _with_policy(document: ConfigFile) -> Config:
-    """``document`` with its routing policy built (a validated document builds without error)."""
+    """``document`` with its routing policies built (a validated document builds without error)."""
     routing = document.routing
     return Config(
-        **_sections(document), policy=build_policy(routing.policy, routing.params, seed=routing.seed)
+        **_sections(document),
+        policy=build_policy(routing.policy, routing.params, seed=routing.seed),
+        decode_policy=_decode_policy(document),
     )
+
+
+def _decode_policy(document: ConfigFile) -> RoutingPolicy:
+    """The decode side's policy; seeded from ``routing.seed`` (its own stream, not the same draws)."""
+    decode = document.disaggregation.decode_routing
+    seed = document.routing.seed
+    try:
+        return build_policy(decode.policy, decode.params, seed=None if seed is None else seed + 1)
+    except PolicyLoadError as exc:
+        raise PolicyLoadError(str(exc).replace("routing.", "disaggregation.decode_routing.")) from None
 
 
 def config_from_dict(raw: Mapping[str, Any]) -> Config:
@@ -131,16 +152,21 @@ def config_from_dict(raw: Mapping[str, Any]) -> Config:
     except ParamError as exc:
         document, errors = None, exc.errors
     routing = document.routing if document is not None else _valid_routing(raw, errors)
-    policy = None
+    policy = decode_policy = None
     if routing is not None:
         try:
             policy = build_policy(routing.policy, routing.params, seed=routing.seed)
         except PolicyLoadError as exc:
             errors = [*errors, *str(exc).splitlines()]
+    if document is not None:
+        try:
+            decode_policy = _decode_policy(document)
+        except PolicyLoadError as exc:
+            errors = [*errors, *str(exc).splitlines()]
     if errors:
         raise ConfigError(errors)
-    assert document is not None and policy is not None
-    return Config(**_sections(document), policy=policy)
+    assert document is not None and policy is not None and decode_policy is not None
+    return Config(**_sections(document), policy=policy, decode_policy=decode_policy)
 
 
 def _valid_routing(raw: Mapping[str, Any], errors: list[str]) -> RoutingConfig | None:

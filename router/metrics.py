@@ -199,6 +199,18 @@ class RouterMetrics:
             ["backend"],
             registry=r,
         )
+        self.pair_decisions = Counter(
+            "kvroute_pd_decisions",
+            "Prefill/decode disaggregation: each side's choice, by side (prefill, decode), policy and reason",
+            ["side", "policy", "reason"],
+            registry=r,
+        )
+        self.pair_retries = Counter(
+            "kvroute_pd_retries",
+            "Prefill/decode pairs tried again after one side failed before any byte, by the side that failed",
+            ["side"],
+            registry=r,
+        )
         # Client connections, per listener (main, admin): router/http/connections.py.
         self.client_connections = Gauge(
             "kvroute_client_connections",
@@ -226,6 +238,7 @@ class RouterMetrics:
         self.ttft_by = Children(self.ttft)
         self.decision_time_by = Children(self.decision_time)
         self.decisions_by = Children(self.decisions)
+        self.pair_decisions_by = Children(self.pair_decisions)
         self.prompt_tokens_by = Children(self.prompt_tokens)
         self.matched_tokens_by = Children(self.matched_tokens)
         self.index_lookups_by = Children(self.index_lookups)

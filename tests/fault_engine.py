@@ -32,6 +32,8 @@ class FaultEngine:
         self.healthy = True
         self.metrics_text = ""
         self.received = 0
+        #: Each request body received, in order.
+        self.json_bodies: list[dict] = []
         self.open = 0
         #: Set to let ``hang``/slow streams finish.
         self.release = asyncio.Event()
@@ -68,6 +70,7 @@ class FaultEngine:
     async def _generate(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         self.received += 1
+        self.json_bodies.append(body)
         self.open += 1
         try:
             if self.mode == "hang":

@@ -64,25 +64,34 @@ def test_invalid_config_exits_2_naming_the_key(tmp_path: Path):
     assert "backends[0].url" in result.stderr
 
 
+def serve(tmp_path: Path, processes: list[subprocess.Popen], sections: str) -> str:
+    """``kvroute serve`` on a free port with ``sections`` of YAML; its URL once it is ready."""
+    router_port = free_port_pair()
+    config = tmp_path / "kvroute.yaml"
+    config.write_text(
+        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
+        f"admin: {{listen: {{host: 127.0.0.1, port: {router_port + 1}}}}}\n{sections}"
+    )
+    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
+    router = f"http://127.0.0.1:{router_port}"
+    wait_until_up(f"{router}/ready")
+    return router
+
+
 def test_sim_and_serve_work_together(tmp_path: Path, processes):
     engine_port = free_port_pair()
     processes.append(subprocess.Popen([*KVROUTE, "sim", "--engines", "2", "--port", str(engine_port)]))
     wait_until_up(f"http://127.0.0.1:{engine_port}/health")
     wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
 
-    router_port = free_port_pair()
-    config = tmp_path / "kvroute.yaml"
-    config.write_text(
-        f"listen: {{host: 127.0.0.1, port: {router_port}}}\n"
-        f"admin: {{listen: {{host: 127.0.0.1, port: {router_port + 1}}}}}\n"
+    router = serve(
+        tmp_path,
+        processes,
         "backends:\n"
         f"  - {{name: a, url: 'http://127.0.0.1:{engine_port}', engine: vllm}}\n"
         f"  - {{name: b, url: 'http://127.0.0.1:{engine_port + 1}', engine: vllm}}\n"
-        "routing: {policy: prefix_aware}\n"
+        "routing: {policy: prefix_aware}\n",
     )
-    processes.append(subprocess.Popen([*KVROUTE, "serve", "--config", str(config)]))
-    router = f"http://127.0.0.1:{router_port}"
-    wait_until_up(f"{router}/ready")
 
     status, body = get(f"{router}/v1/models")
     assert status == 200
@@ -95,6 +104,37 @@ def test_sim_and_serve_work_together(tmp_path: Path, processes):
     with urllib.request.urlopen(request, timeout=10) as resp:
         assert resp.headers["x-kvroute-backend"] in {"a", "b"}
         assert json.loads(resp.read())["choices"][0]["message"]["content"]
+
+
+def test_sim_runs_a_prefill_decode_fleet_behind_serve(tmp_path: Path, processes):
+    engine_port = free_port_pair()
+    processes.append(
+        subprocess.Popen([*KVROUTE, "sim", "--prefill", "1", "--decode", "1", "--port", str(engine_port)])
+    )
+    wait_until_up(f"http://127.0.0.1:{engine_port}/health")
+    wait_until_up(f"http://127.0.0.1:{engine_port + 1}/health")
+    # The simulated prefill engine's bootstrap port is its HTTP port.
+    router = serve(
+        tmp_path,
+        processes,
+        "backends:\n"
+        f"  - {{name: p, url: 'http://127.0.0.1:{engine_port}', engine: sglang, role: prefill,"
+        f" bootstrap_port: {engine_port}}}\n"
+        f"  - {{name: d, url: 'http://127.0.0.1:{engine_port + 1}', engine: sglang, role: decode}}\n",
+    )
+    request = urllib.request.Request(
+        f"{router}/v1/chat/completions",
+        data=json.dumps({"model": "sim-model", "messages": [{"role": "user", "content": "hi"}]}).encode(),
+        headers={"Content-Type": "application/json"},
+    )
+    with urllib.request.urlopen(request, timeout=10) as resp:
+        assert (resp.headers["x-kvroute-prefill-backend"], resp.headers["x-kvroute-decode-backend"]) == (
+            "p",
+            "d",
+        )
+        assert json.loads(resp.read())["choices"][0]["message"]["content"]
+    _, stats = get(f"http://127.0.0.1:{engine_port + 1}/sim/stats")
+    assert json.loads(stats)["role"] == "decode" and json.loads(stats)["completed"] == 1
 
 
 @pytest.mark.parametrize(("kind", "discovery"), [("vllm", "/kv_event_sources"), ("sglang", "/server_info")])

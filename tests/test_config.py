@@ -299,9 +299,9 @@ def test_every_mistake_of_a_file_is_reported_each_by_its_path(tmp_path: Path) ->
     with pytest.raises(ConfigError) as info:
         load_config(path)
     assert info.value.errors == [
-        "loging: unknown key; expected one of ['admin', 'auth', 'backends', 'discovery', 'engine_metrics',"
-        " 'health', 'index', 'limits', 'listen', 'log_level', 'logging', 'metrics', 'routing', 'tenancy',"
-        " 'tracing', 'upstream']",
+        "loging: unknown key; expected one of ['admin', 'auth', 'backends', 'disaggregation', 'discovery',"
+        " 'engine_metrics', 'health', 'index', 'limits', 'listen', 'log_level', 'logging', 'metrics',"
+        " 'routing', 'tenancy', 'tracing', 'upstream']",
         "listen.port: expected an integer in [0, 65535], got 70000",
         "backends[1].url: expected an http:// or https:// URL, got 'ftp://x'",
         "backends[1].engine: expected one of ['vllm', 'sglang'], got 'tgi'",

@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import pytest
 
+from loadtest.sim.engine import SimEngine
 from tests.dns_server import DnsServer
-from tests.helpers import scrape, total, wait_for
+from tests.helpers import FAST, scrape, total, wait_for
 
 NAME = "engines.kvroute.test."
 PROMPT = "A long shared system prompt for discovery tests. " * 30
@@ -104,3 +105,40 @@ async def test_a_name_without_records_empties_the_fleet(dns_server, shared_port_
 
 async def _equals(value, expected) -> bool:
     return await value == expected
+
+
+async def test_one_name_per_role_makes_a_prefill_decode_fleet(dns_server, make_router, http):
+    prefill = SimEngine(FAST, name="p", role="prefill")
+    await prefill.start("127.0.0.2", 0)
+    port = int(prefill.url.rsplit(":", 1)[1])
+    decode = SimEngine(FAST, name="d", role="decode")
+    await decode.start("127.0.0.3", port)
+    try:
+        dns_server.records["prefill.kvroute.test."] = ["127.0.0.2"]
+        dns_server.records["decode.kvroute.test."] = ["127.0.0.3"]
+        discovery = {
+            "kind": "dns",
+            "dns": {
+                "port": port,
+                "engine": "sglang",
+                "nameservers": ["127.0.0.1"],
+                "nameserver_port": dns_server.port,
+            },
+            "roles": [
+                {"role": "prefill", "name": "prefill.kvroute.test.", "bootstrap_port": port},
+                {"role": "decode", "name": "decode.kvroute.test."},
+            ],
+        }
+        router = await make_router([], discovery=discovery)
+        async with http.get(f"{router.admin_url}/admin/backends") as resp:
+            roles = {b["name"]: b["role"] for b in (await resp.json())["backends"]}
+        assert roles == {f"127.0.0.2:{port}": "prefill", f"127.0.0.3:{port}": "decode"}
+        body = {"model": "sim-model", "prompt": PROMPT, "max_tokens": 2}
+        async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200
+            assert resp.headers["x-kvroute-prefill-backend"] == f"127.0.0.2:{port}"
+            assert resp.headers["x-kvroute-decode-backend"] == f"127.0.0.3:{port}"
+        assert decode.scheduler.transferred_tokens > 0
+    finally:
+        await prefill.stop()
+        await decode.stop()

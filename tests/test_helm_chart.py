@@ -71,6 +71,44 @@ VALUES_SETS: dict[str, dict[str, Any]] = {
             "kubernetes": {"enabled": True, "settings": {"label_selector": "app=sgl", "namespace": "gpu"}}
         }
     },
+    # Prefill/decode disaggregation (docs/disaggregation.md): a static SGLang pair fleet, and
+    # vLLM engines found by one label selector per role.
+    "disaggregated_static": {
+        "config": {
+            "backends": [
+                {
+                    "name": "p0",
+                    "url": "http://sglang-p0:30000",
+                    "engine": "sglang",
+                    "role": "prefill",
+                    "bootstrap_port": 8998,
+                },
+                {
+                    "name": "p1",
+                    "url": "http://sglang-p1:30000",
+                    "engine": "sglang",
+                    "role": "prefill",
+                    "bootstrap_port": 8998,
+                },
+                {"name": "d0", "url": "http://sglang-d0:30000", "engine": "sglang", "role": "decode"},
+            ],
+            "routing": {"policy": "cost"},
+            "disaggregation": {"decode_routing": {"policy": "decode_balance", "params": {"kv_tokens": 8192}}},
+        }
+    },
+    "disaggregated_kubernetes_roles": {
+        "discovery": {
+            "kubernetes": {
+                "enabled": True,
+                "settings": {"port": 8000, "engine": "vllm"},
+                "roles": [
+                    {"role": "prefill", "label_selector": "app=vllm,pd=prefill"},
+                    {"role": "decode", "label_selector": "app=vllm,pd=decode", "port": 8001},
+                ],
+            }
+        },
+        "config": {"disaggregation": {"decode_caches_prefixes": True}},
+    },
     "autoscaling": {
         "autoscaling": {"enabled": True, "minReplicas": 3, "maxReplicas": 6},
         "redis": {"enabled": True},
@@ -461,6 +499,29 @@ def test_discovery_in_another_namespace_gets_its_role_there():
     binding = find(objects, "RoleBinding")
     assert binding["metadata"]["namespace"] == "gpu"
     assert binding["subjects"][0]["namespace"] == NAMESPACE  # the router's account lives with the router
+
+
+def test_a_prefill_decode_fleet_is_deployed_by_roles():
+    static = router_config(render(VALUES_SETS["disaggregated_static"]))
+    assert [(b.name, b.role, b.bootstrap_port) for b in static.backends] == [
+        ("p0", "prefill", 8998),
+        ("p1", "prefill", 8998),
+        ("d0", "decode", None),
+    ]
+    assert static.decode_policy.name == "decode_balance"
+    discovered = router_config(render(VALUES_SETS["disaggregated_kubernetes_roles"]))
+    sources = discovered.discovery.sources()
+    assert [(s.label_selector, s.role, s.port, s.engine) for s in sources] == [
+        ("app=vllm,pd=prefill", "prefill", 8000, "vllm"),
+        ("app=vllm,pd=decode", "decode", 8001, "vllm"),
+    ]
+    assert discovered.disaggregation.decode_caches_prefixes
+
+
+def test_roles_without_a_selector_are_refused_by_the_chart():
+    values = {"discovery": {"kubernetes": {"enabled": True, "settings": {}, "roles": [{"role": "prefill"}]}}}
+    with pytest.raises(Exception, match="label_selector"):
+        render(values)
 
 
 def test_autoscaling_owns_the_replica_count():

@@ -15,6 +15,11 @@ discovery endpoint (vLLM ``GET /kv_event_sources``, SGLang ``GET /server_info``)
 ``POST /reset_prefix_cache`` (which publishes ``AllBlocksCleared``). Its token ids are the
 simulator's (:func:`router.request_path.tokenize.chunk_token_ids`).
 
+With a ``role`` (``prefill`` or ``decode``) the engine is one side of prefill/decode
+disaggregation and speaks both engines' handoff shapes (:mod:`loadtest.sim.handoff`): a prefill
+engine prefills and offers the KV, a decode engine takes it (charged its transfer time) and
+decodes. A ``both`` engine serves whole requests, and either side of a vLLM handoff.
+
 A client that goes away stops costing anything: the server runs with ``handler_cancellation``, so
 the handler is cancelled on disconnect (aiohttp >= 3.9 does not cancel by default), and a failed
 write ends it too; either way the request leaves the scheduler at once and counts as cancelled.
@@ -25,6 +30,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import itertools
 import ssl
 import time
@@ -35,6 +41,7 @@ import orjson
 from aiohttp import web
 
 from loadtest.sim.cache import PrefixCache
+from loadtest.sim.handoff import HUB, ROLES, Offer, Role, Side, TransferHub, parse_side, vllm_transfer_params
 from loadtest.sim.kv_events import FORMATS, Format, KVEventPublisher, require_zmq
 from loadtest.sim.metrics import CONTENT_TYPE, EngineMetrics
 from loadtest.sim.protocol import (
@@ -114,9 +121,19 @@ class SimEngine:
         name: str = "sim",
         kv_events: Format | None = None,
         endpoints: Collection[str] | None = None,
+        role: Role = "both",
+        bootstrap_port: int | None = None,
+        hub: TransferHub = HUB,
     ) -> None:
         if not models:
             raise ValueError("an engine serves at least one model")
+        if role not in ROLES:
+            raise ValueError(f"role must be one of {ROLES}, got {role!r}")
+        self.role = role
+        #: An SGLang prefill engine's bootstrap port, named in the handoffs it offers; absent, the
+        #: engine's HTTP port once started (nothing listens there: the handoff is in process).
+        self.bootstrap_port = bootstrap_port
+        self.hub = hub
         if kv_events is not None and kv_events not in FORMATS:
             raise ValueError(f"kv_events must be one of {FORMATS} or None, got {kv_events!r}")
         self.timing = timing if timing is not None else EngineTiming()
@@ -192,7 +209,13 @@ class SimEngine:
         ``received`` counts requests accepted for scheduling; at any time
         ``received == completed + cancelled + running + waiting``.
         """
-        return {"name": self.name, "url": self.url, "rejected": self.rejected, **self.scheduler.stats()}
+        return {
+            "name": self.name,
+            "url": self.url,
+            "role": self.role,
+            "rejected": self.rejected,
+            **self.scheduler.stats(),
+        }
 
     async def start(self, host: str = "127.0.0.1", port: int = 0, tls: ssl.SSLContext | None = None) -> str:
         """Listen on ``host:port`` (0 picks a free port) and return the engine's URL; with ``tls``
@@ -211,6 +234,8 @@ class SimEngine:
         self._runner = runner
         bound_port = runner.addresses[0][1]
         self.url = _http_url(host, bound_port, "https" if tls is not None else "http")
+        if self.bootstrap_port is None and self.role == "prefill":
+            self.bootstrap_port = bound_port
         if self.kv_events_format is not None:
             await self._start_publisher(host if host not in ("", "0.0.0.0", "::") else "127.0.0.1")
         return self.url
@@ -282,6 +307,10 @@ class SimEngine:
             except orjson.JSONDecodeError as exc:
                 raise ApiError(400, f"Invalid JSON body: {exc}") from None
             parsed = parse_request(kind, body, self.models, self.timing.default_max_tokens)
+            side = parse_side(body, self.role)
+            if side is not None and side.side == "prefill":
+                # A prefill engine computes the first token only; the decode engine generates.
+                parsed = dataclasses.replace(parsed, max_tokens=1)
             # The sim's tokenizer: one token per chars_per_token characters (a partial one counts).
             prompt_tokens = -(-len(parsed.prompt) // self.timing.chars_per_token)
             total = prompt_tokens + parsed.max_tokens
@@ -292,6 +321,8 @@ class SimEngine:
                     f"you requested {total} tokens ({prompt_tokens} in the messages, {parsed.max_tokens} in "
                     "the completion). Please reduce the length of the messages or completion.",
                 )
+            if side is not None and side.side == "decode":
+                await self._receive(side)
         except ApiError as error:
             self.rejected += 1
             return _error(error)
@@ -306,10 +337,13 @@ class SimEngine:
             max_tokens=parsed.max_tokens,
             stream=parsed.stream,
             token_ids=chunk_token_ids(parsed.prompt, self.timing.chars_per_token) if self.publisher else None,
+            transferred=side is not None and side.side == "decode",
         )
         task = asyncio.current_task()
         assert task is not None  # aiohttp runs every handler in a task
         self._in_flight.add(task)
+        offering = side is not None and side.side == "prefill"
+        key = (side.key if side.protocol == "sglang" else (self.name, response_id)) if offering else None
         try:
             if parsed.stream:
                 return await self._stream(http_request, parsed, sim_request)
@@ -317,14 +351,37 @@ class SimEngine:
                 await sim_request.changed.wait()
                 sim_request.changed.clear()
             usage_info = usage(prompt_tokens, sim_request.generated, sim_request.cached_tokens)
+            extra = None
+            if offering and side.protocol == "vllm":
+                blocks = -(-prompt_tokens // self.timing.block_tokens)
+                params = vllm_transfer_params(self.name, response_id, self.url, blocks)
+                extra = {"kv_transfer_params": params}
             return web.Response(
-                body=completion_body(parsed, response_id, int(time.time()), usage_info),
+                body=completion_body(parsed, response_id, int(time.time()), usage_info, extra),
                 content_type="application/json",
             )
         finally:
             self._in_flight.discard(task)
+            if offering:
+                self._offer(key, sim_request)
             # A no-op when finished; otherwise the client went away (cancellation or a failed write).
             self.scheduler.release(sim_request)
+
+    async def _receive(self, side: Side) -> None:
+        """A decode engine waits for its prefill engine's KV (the transfer itself is scheduled)."""
+        offer = await self.hub.take(side.key, self.timing.kv_transfer_timeout_s)
+        if side.bootstrap_port is not None and side.bootstrap_port != offer.bootstrap_port:
+            raise ApiError(
+                500,
+                f"KV transfer failed: no prefill engine at bootstrap port {side.bootstrap_port} "
+                f"(room {side.key} was prefilled by {offer.engine}, bootstrap port {offer.bootstrap_port}).",
+            )
+
+    def _offer(self, key: object, sim_request: SimRequest) -> None:
+        if sim_request.state is State.FINISHED:
+            self.hub.offer(key, Offer(self.name, self.bootstrap_port, sim_request.prompt_tokens))
+        else:
+            self.hub.withdraw(key, f"{self.name} dropped the request")
 
     async def _stream(
         self, http_request: web.Request, parsed: GenerationRequest, sim_request: SimRequest

@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from types import TracebackType
 
 from loadtest.sim.engine import SimEngine
+from loadtest.sim.handoff import Role
 from loadtest.sim.kv_events import Format
 from loadtest.sim.timing import EngineTiming
 
@@ -21,6 +22,7 @@ class SimFleet:
     Engine *i* listens on ``base_port + i``; with ``base_port=0`` each picks a free port (not
     necessarily consecutive), which is what tests want. Engines are named ``sim0``, ``sim1``, ...
     ``kv_events`` makes every engine publish KV events in that format (see :class:`SimEngine`).
+    ``roles`` gives engine *i* its prefill/decode role (default: every engine ``both``).
     """
 
     def __init__(
@@ -31,13 +33,17 @@ class SimFleet:
         timing: EngineTiming | None = None,
         models: Sequence[str] = ("sim-model",),
         kv_events: Format | None = None,
+        roles: Sequence[Role] = (),
     ) -> None:
         if count < 1:
             raise ValueError("a fleet has at least one engine")
+        if roles and len(roles) != count:
+            raise ValueError(f"roles name {len(roles)} engines, the fleet has {count}")
         self.host = host
         self.base_port = base_port
         self.engines: list[SimEngine] = [
-            SimEngine(timing, models, name=f"sim{i}", kv_events=kv_events) for i in range(count)
+            SimEngine(timing, models, name=f"sim{i}", kv_events=kv_events, role=roles[i] if roles else "both")
+            for i in range(count)
         ]
 
     @property
@@ -88,12 +94,17 @@ async def serve_fleet(
     timing: EngineTiming | None = None,
     models: Sequence[str] = ("sim-model",),
     kv_events: Format | None = None,
+    roles: Sequence[Role] = (),
 ) -> None:
     """Run ``count`` engines on ``port``, ``port + 1``, ... and print their URLs (and KV event
-    endpoints, with ``kv_events``); return when cancelled."""
-    async with SimFleet(count, host, port, timing, models, kv_events) as fleet:
+    endpoints, with ``kv_events``; roles and bootstrap ports, with ``roles``); return when cancelled."""
+    async with SimFleet(count, host, port, timing, models, kv_events, roles) as fleet:
         for engine in fleet.engines:
             line = f"{engine.name}: {engine.url}  (models: {', '.join(engine.models)})"
+            if engine.role != "both":
+                line += f"  role: {engine.role}"
+                if engine.bootstrap_port is not None:
+                    line += f", bootstrap port {engine.bootstrap_port}"
             if engine.publisher is not None:
                 line += f"  KV events: {engine.publisher.endpoint}, replay {engine.publisher.replay_endpoint}"
             print(line, flush=True)

@@ -185,9 +185,14 @@ def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dic
 
 
 def completion_body(
-    request: GenerationRequest, response_id: str, created: int, usage_info: dict[str, Any]
+    request: GenerationRequest,
+    response_id: str,
+    created: int,
+    usage_info: dict[str, Any],
+    extra: dict[str, Any] | None = None,
 ) -> bytes:
-    """The non-streamed ``chat.completion`` or ``text_completion`` body."""
+    """The non-streamed ``chat.completion`` or ``text_completion`` body; ``extra`` adds top-level
+    fields (a vLLM prefill engine's ``kv_transfer_params``)."""
     text = TOKEN_TEXT * usage_info["completion_tokens"]
     choice: dict[str, Any] = {"index": 0}
     if request.kind == "chat":
@@ -205,6 +210,7 @@ def completion_body(
             "model": request.model,
             "choices": [choice],
             "usage": usage_info,
+            **(extra or {}),
         }
     )
 

@@ -3,6 +3,7 @@
 A request goes through these states::
 
     WAITING --admit--> QUEUED --lane free--> PREFILLING --> DECODING --> FINISHED
+    WAITING --admit--> TRANSFERRING ------------------------> DECODING     (a decode engine's)
         any state before FINISHED --release--> CANCELLED
 
 * **Admission** is FIFO. The head of the waiting queue is admitted when fewer than ``max_running``
@@ -16,6 +17,11 @@ A request goes through these states::
 * **Decode** is batched: one loop per engine sleeps one step (longer when the batch is larger),
   then every decoding request emits one token. CPU cost is one timer per engine per step, not
   one per request per token.
+
+* **Transfer** (prefill/decode disaggregation) replaces the prefill of a request whose KV a
+  prefill engine computed: once admitted (its KV reserved), the blocks this engine's own cache
+  lacks cross the link (``EngineTiming.transfer_seconds``), without the prefill lane; then the
+  prompt is in this engine's cache too and the first token is emitted.
 
 Time is real (asyncio) time, so queueing delays and cache savings show up in measured latency.
 Released requests (the client went away) leave every queue at once; one interrupted mid-prefill
@@ -41,6 +47,7 @@ class State(enum.Enum):
     WAITING = "waiting"
     QUEUED = "queued"
     PREFILLING = "prefilling"
+    TRANSFERRING = "transferring"
     DECODING = "decoding"
     FINISHED = "finished"
     CANCELLED = "cancelled"
@@ -74,6 +81,8 @@ class SimRequest:
     changed: asyncio.Event = field(default_factory=asyncio.Event)
     #: The prompt's token ids, when the engine publishes KV events (they carry the tokens).
     token_ids: list[int] = field(default_factory=list)
+    #: Its KV comes from a prefill engine: transferred instead of prefilled.
+    transferred: bool = False
 
 
 @dataclass(frozen=True)
@@ -124,6 +133,7 @@ class Scheduler:
         self._lane_wakeup = asyncio.Event()
         self._decode_wakeup = asyncio.Event()
         self._prefill_timer: asyncio.Future[None] | None = None
+        self._transfers: dict[SimRequest, asyncio.TimerHandle] = {}
         #: KV blocks reserved by running requests.
         self.reserved_blocks = 0
         #: The most recent finished requests, oldest first.
@@ -135,6 +145,8 @@ class Scheduler:
         self.prompt_tokens = 0
         self.cached_tokens = 0
         self.generation_tokens = 0
+        #: Prompt tokens received from prefill engines (a decode engine's).
+        self.transferred_tokens = 0
 
     @property
     def running(self) -> int:
@@ -156,6 +168,7 @@ class Scheduler:
         max_tokens: int,
         stream: bool,
         token_ids: list[int] | None = None,
+        transferred: bool = False,
     ) -> SimRequest:
         """Enqueue a request; the caller must :meth:`release` it when its handler ends, on every path."""
         block_tokens = self.timing.block_tokens
@@ -172,6 +185,7 @@ class Scheduler:
             kv_blocks=kv_blocks,
             arrival=time.monotonic(),
             token_ids=token_ids or [],
+            transferred=transferred,
         )
         self.received += 1
         self._waiting.append(request)
@@ -188,6 +202,8 @@ class Scheduler:
         else:
             if state is State.QUEUED:
                 self._prefill_queue.remove(request)
+            elif state is State.TRANSFERRING:
+                self._transfers.pop(request).cancel()
             elif state is State.PREFILLING and self._prefill_timer is not None:
                 _settle(self._prefill_timer)
             self._decoding.pop(request, None)
@@ -207,11 +223,29 @@ class Scheduler:
             if self.reserved_blocks + head.kv_blocks > self.timing.kv_blocks:
                 return
             self._waiting.popleft()
-            head.state = State.QUEUED
             self._running[head] = None
             self.reserved_blocks += head.kv_blocks
+            if head.transferred:
+                self._transfer(head)
+                continue
+            head.state = State.QUEUED
             self._prefill_queue.append(head)
             self._lane_wakeup.set()
+
+    def _transfer(self, request: SimRequest) -> None:
+        """Receive the KV this engine's cache lacks; the prefill lane is not used."""
+        request.state = State.TRANSFERRING
+        request.prefill_start = time.monotonic()
+        block_tokens = self.timing.block_tokens
+        request.cached_tokens = self.cache.lookup(request.hashes, request.prompt_tokens) * block_tokens
+        seconds = self.timing.transfer_seconds(request.prompt_tokens - request.cached_tokens)
+        loop = asyncio.get_running_loop()
+        self._transfers[request] = loop.call_later(seconds, self._transferred, request)
+
+    def _transferred(self, request: SimRequest) -> None:
+        del self._transfers[request]
+        self.transferred_tokens += request.prompt_tokens - request.cached_tokens
+        self._prefilled(request)
 
     async def _prefill_lane(self) -> None:
         loop = asyncio.get_running_loop()
@@ -237,17 +271,21 @@ class Scheduler:
                 self._prefill_timer = None
             if request.state is not State.PREFILLING:  # released meanwhile
                 continue
-            self.cache.insert(request.hashes, request.token_ids)
-            self.prompt_tokens += request.prompt_tokens
-            self.cached_tokens += request.cached_tokens
-            request.first_token_at = time.monotonic()
-            if self._on_first_token is not None:
-                self._on_first_token(request.first_token_at - request.arrival)
-            request.state = State.DECODING
-            self._emit(request)
-            if request.state is State.DECODING:
-                self._decoding[request] = None
-                self._decode_wakeup.set()
+            self._prefilled(request)
+
+    def _prefilled(self, request: SimRequest) -> None:
+        """The prompt's KV is here (prefilled or received): cache it, emit the first token."""
+        self.cache.insert(request.hashes, request.token_ids)
+        self.prompt_tokens += request.prompt_tokens
+        self.cached_tokens += request.cached_tokens
+        request.first_token_at = time.monotonic()
+        if self._on_first_token is not None:
+            self._on_first_token(request.first_token_at - request.arrival)
+        request.state = State.DECODING
+        self._emit(request)
+        if request.state is State.DECODING:
+            self._decoding[request] = None
+            self._decode_wakeup.set()
 
     async def _decode_loop(self) -> None:
         while True:
@@ -302,6 +340,7 @@ class Scheduler:
             "prompt_tokens": self.prompt_tokens,
             "cached_tokens": self.cached_tokens,
             "generation_tokens": self.generation_tokens,
+            "transferred_tokens": self.transferred_tokens,
             "kv_blocks_reserved": self.reserved_blocks,
             "cache_blocks": len(self.cache),
             "cache_evictions": self.cache.evictions,

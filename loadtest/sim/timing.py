@@ -45,6 +45,15 @@ class EngineTiming:
     kv_blocks: int = 4096
     #: Output tokens when a request gives neither ``max_tokens`` nor ``max_completion_tokens``.
     default_max_tokens: int = 16
+    #: Prefill/decode disaggregation: KV bytes per token moved from a prefill engine to a decode
+    #: engine (Llama-3-8B in bf16: 32 layers x 8 KV heads x 128 dims x 2 (K and V) x 2 bytes).
+    kv_bytes_per_token: int = 131072
+    #: Bytes per second of the link between a prefill and a decode engine. 100 GB/s keeps a
+    #: transfer near 6% of the same tokens' uncached prefill here, about its share for that model
+    #: on an H100 over 200 Gb/s, since the simulator's compute runs faster than a GPU's.
+    kv_link_bytes_per_s: float = 100e9
+    #: Longest a decode engine waits for its prefill engine's KV before failing the request.
+    kv_transfer_timeout_s: float = 30.0
 
     def __post_init__(self) -> None:
         for name in ("max_running", "block_tokens", "chars_per_token", "kv_blocks", "default_max_tokens"):
@@ -53,6 +62,9 @@ class EngineTiming:
         for name in ("prefill_base_s", "prefill_per_token_s", "decode_step_s", "decode_per_seq_s"):
             if getattr(self, name) < 0:
                 raise ValueError(f"EngineTiming.{name} must be >= 0")
+        for name in ("kv_bytes_per_token", "kv_link_bytes_per_s", "kv_transfer_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"EngineTiming.{name} must be > 0")
 
     @property
     def max_model_len(self) -> int:
@@ -66,6 +78,10 @@ class EngineTiming:
     def prefill_seconds(self, uncached_tokens: int) -> float:
         """Time charged to prefill a prompt of which ``uncached_tokens`` are not in the cache."""
         return self.prefill_base_s + self.prefill_per_token_s * uncached_tokens
+
+    def transfer_seconds(self, tokens: int) -> float:
+        """Time to move ``tokens`` tokens of KV from a prefill engine to a decode engine."""
+        return tokens * self.kv_bytes_per_token / self.kv_link_bytes_per_s
 
     def decode_step_seconds(self, batch: int) -> float:
         """Time of one decode step while ``batch`` requests are decoding."""

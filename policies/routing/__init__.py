@@ -10,6 +10,7 @@ from policies.params import ParamError
 from policies.routing.base import RoutingPolicy
 from policies.routing.consistent_hash import ConsistentHash
 from policies.routing.cost import Cost
+from policies.routing.decode_balance import DecodeBalance
 from policies.routing.latency import Latency
 from policies.routing.least_load import LeastLoad
 from policies.routing.power_of_two import PowerOfTwo
@@ -32,6 +33,7 @@ BUILTIN: dict[str, type[RoutingPolicy]] = {
         Cost,
         Weighted,
         Latency,
+        DecodeBalance,
     )
 }
 

@@ -29,6 +29,8 @@ class Backend:
         self.config = config
         self.name = config.name
         self.url = config.url.rstrip("/")
+        #: ``prefill``, ``decode`` or ``both`` (prefill/decode disaggregation).
+        self.role = config.role
         #: For an ``https://`` URL, its TLS settings (its own ``tls``, else ``tls``: upstream.tls).
         self.tls = backend_tls(self.url, config.tls or tls or BackendTLSConfig())
         #: Configured models, or those last read from the backend's ``/v1/models``.
@@ -151,6 +153,9 @@ class BackendPool:
         #: TLS of backends without their own ``tls`` (``upstream.tls``), discovered ones included.
         self.tls = tls or BackendTLSConfig()
         self._backends = {c.name: Backend(c, self.health, self.tls) for c in configs}
+        #: Whether any backend has a prefill or decode role: only then does the request path
+        #: look for pairs (router/request_path/disaggregated.py).
+        self.role_split = self._any_role()
         self._on_added: list[PoolListener] = []
         self._on_removed: list[PoolListener] = []
 
@@ -170,6 +175,7 @@ class BackendPool:
             self.remove(config.name)
         backend = Backend(config, self.health, self.tls)
         self._backends[config.name] = backend
+        self.role_split = self._any_role()
         for listener in self._on_added:
             listener(backend)
         return backend
@@ -177,9 +183,13 @@ class BackendPool:
     def remove(self, name: str) -> Backend | None:
         backend = self._backends.pop(name, None)
         if backend is not None:
+            self.role_split = self._any_role()
             for listener in self._on_removed:
                 listener(backend)
         return backend
+
+    def _any_role(self) -> bool:
+        return any(b.role != "both" for b in self._backends.values())
 
     def __contains__(self, name: object) -> bool:
         return name in self._backends

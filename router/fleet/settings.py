@@ -9,6 +9,7 @@ together are in ``validate``.
 
 from __future__ import annotations
 
+import dataclasses
 import ipaddress
 import os
 import ssl
@@ -25,6 +26,12 @@ from router.kv_events.settings import EndpointConfig
 #: format and event-source discovery differ. The command line and the simulator take it from here.
 EngineKind = Literal["vllm", "sglang"]
 ENGINE_KINDS: tuple[EngineKind, ...] = typing.get_args(EngineKind)
+
+#: What a backend does in prefill/decode disaggregation (``backends[].role``): ``both`` serves
+#: whole requests (the default, and the only role of a co-located fleet); ``prefill`` computes a
+#: prompt's KV and hands it over; ``decode`` receives it and generates. A ``both`` engine in a
+#: role-split fleet may take either side of a pair (vLLM's ``kv_both`` connector role).
+BackendRole = Literal["prefill", "decode", "both"]
 
 #: Schemes are case-insensitive (RFC 3986 §3.1); spelled out as character classes because the
 #: JSON Schema the same declaration produces speaks ECMA-262 regexes, which have no ``(?i)``.
@@ -124,6 +131,10 @@ class BackendConfig:
     api_key_env: str | None = None
     #: TLS to this engine (an ``https://`` URL); absent: ``upstream.tls``.
     tls: BackendTLSConfig | None = None
+    role: BackendRole = "both"
+    #: An SGLang prefill engine's ``--disaggregation-bootstrap-port``, sent to the decode engine
+    #: as ``bootstrap_port`` (absent: null, the engine's default port).
+    bootstrap_port: Port | None = None
 
     @property
     def upstream_api_key(self) -> str | None:
@@ -133,6 +144,8 @@ class BackendConfig:
         return self.api_key
 
     def validate(self) -> list[str]:
+        if self.bootstrap_port is not None and (self.engine != "sglang" or self.role == "decode"):
+            return ["bootstrap_port: only an SGLang engine that prefills (role: prefill or both) has one"]
         if self.api_key is not None and self.api_key_env is not None:
             return ["api_key: give at most one of api_key, api_key_env"]
         if self.api_key_env is not None and not os.environ.get(self.api_key_env):
@@ -188,6 +201,25 @@ class DiscoveredBackend:
     #: Models served; when absent they are read from each backend's ``/v1/models``.
     models: list[NonEmptyStr] | None = None
     capacity_blocks: PositiveInt | None = None
+    #: The role of every endpoint this source finds (``backends[].role``).
+    role: BackendRole = "both"
+    #: SGLang prefill engines' bootstrap port (``backends[].bootstrap_port``).
+    bootstrap_port: Port | None = None
+
+
+@dataclass(frozen=True)
+class RoleSource:
+    """One entry of ``discovery.roles``: the endpoints of one role, found by their own DNS name or
+    label selector, with the rest of the source's settings (``discovery.dns`` or ``.kubernetes``)."""
+
+    role: BackendRole
+    #: ``kind: dns``: the name whose A records are this role's engines.
+    name: str = ""
+    #: ``kind: kubernetes``: the selector of this role's EndpointSlices, e.g. ``app=sglang,role=prefill``.
+    label_selector: str = ""
+    #: This role's port; absent: the source's ``port``.
+    port: Port | None = None
+    bootstrap_port: Port | None = None
 
 
 @dataclass(frozen=True)
@@ -253,10 +285,34 @@ class DiscoveryConfig:
     kind: Literal["static", "dns", "kubernetes"] = "static"
     dns: DnsDiscoveryConfig = field(default_factory=DnsDiscoveryConfig)
     kubernetes: KubernetesDiscoveryConfig = field(default_factory=KubernetesDiscoveryConfig)
+    #: Prefill/decode disaggregation: one source per role, each the chosen kind's section with
+    #: its own name or selector (then ``dns.name``/``kubernetes.label_selector`` are not needed).
+    roles: list[RoleSource] = field(default_factory=list)
 
     def validate(self) -> list[str]:
+        if self.roles:
+            if self.kind == "static":
+                return ["roles: expected kind dns or kubernetes"]
+            key = "name" if self.kind == "dns" else "label_selector"
+            missing = [i for i, r in enumerate(self.roles) if not getattr(r, key)]
+            return [f"roles[{i}].{key}: expected a value with kind {self.kind}" for i in missing]
         if self.kind == "dns" and not self.dns.name:
             return ["dns.name: expected the DNS name to resolve"]
         if self.kind == "kubernetes" and not self.kubernetes.label_selector:
             return ["kubernetes.label_selector: expected a selector such as app=vllm"]
         return []
+
+    def sources(self) -> list[DnsDiscoveryConfig | KubernetesDiscoveryConfig]:
+        """The chosen kind's section, once per role source (or once, without ``roles``)."""
+        base = self.dns if self.kind == "dns" else self.kubernetes
+        if not self.roles:
+            return [base]
+        out: list[DnsDiscoveryConfig | KubernetesDiscoveryConfig] = []
+        for r in self.roles:
+            target = {"name": r.name} if self.kind == "dns" else {"label_selector": r.label_selector}
+            out.append(
+                dataclasses.replace(
+                    base, **target, role=r.role, port=r.port or base.port, bootstrap_port=r.bootstrap_port
+                )
+            )
+        return out

@@ -34,6 +34,7 @@ def describe(backend: Backend, index: PrefixIndex | None = None) -> dict[str, ob
         "name": backend.name,
         "url": backend.url,
         "engine": backend.config.engine,
+        "role": backend.role,
         "models": sorted(backend.models),
         "state": backend.state,
         "routable": backend.routable,

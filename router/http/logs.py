@@ -161,6 +161,10 @@ def log_access(context: RequestContext, status: int, duration_s: float) -> None:
         "ttft_ms": ttft_ms,
         "duration_ms": round(duration_s * 1000, 2),
     }
+    if context.pair is not None:
+        # Prefill/decode disaggregation: both engines of the pair and why each was chosen.
+        names = ("prefill_backend", "prefill_reason", "decode_backend", "decode_reason")
+        fields.update(zip(names, context.pair, strict=True))
     ACCESS_LOG.handle(
         ACCESS_LOG.makeRecord(ACCESS_LOG.name, logging.INFO, "", 0, AccessLine(fields), None, None)
     )

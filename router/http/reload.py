@@ -152,6 +152,8 @@ class Runtime:
         if not routing_changed:
             # The policy the new file's load built is not used: a stateful policy keeps its state.
             running = dataclasses.replace(running, policy=old.policy)
+        if running.disaggregation == old.disaggregation:
+            running = dataclasses.replace(running, decode_policy=old.decode_policy)
 
         changed = [
             f.name for f in dataclasses.fields(ConfigFile) if getattr(old, f.name) != getattr(running, f.name)
@@ -165,6 +167,7 @@ class Runtime:
             self.dispatcher.proxy.upstream.configure(running.upstream)
             if routing_changed:
                 self.dispatcher.policy = running.policy
+            self.dispatcher.decode_policy = running.decode_policy
         if running.log_level != old.log_level:
             logging.getLogger().setLevel(running.log_level.upper())
         self.config = running

@@ -24,6 +24,12 @@ gone, task cancelled, an unexpected exception), because its ``with`` block ends 
   token and the engine's cached tokens, for the access log; with tracing, its ``upstream``
   span, whose context the engine receives as ``traceparent``.
 
+In prefill/decode disaggregation a request holds two attempts at once, one per engine of its
+pair (router/request_path/disaggregated.py), each described by a :class:`PairSide`: the prefill
+side holds the pending prefill, checks the beliefs against the prefill engine's report and
+gives the request its cached tokens; the decode side answers the client, so it alone observes
+the request's TTFT and latency.
+
 The proxy (router/request_path/proxy.py) reports what happens: ``answered``, ``first_byte``,
 then one of ``finished``, ``interrupted`` or ``client_gone``. A failure before the client got
 a byte leaves the proxy as UpstreamFailed, which ``__exit__`` books as ``failed`` (the
@@ -35,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from types import TracebackType
 
 from policies.routing.base import RoutingPolicy
@@ -53,6 +60,19 @@ log = logging.getLogger("kvroute.dispatch")
 
 #: Status label for attempts whose client disconnected (nginx's convention).
 CLIENT_CLOSED = "499"
+
+
+@dataclass(frozen=True, slots=True)
+class PairSide:
+    """How an attempt on one side of a prefill/decode pair differs from a whole request's."""
+
+    #: What this side's engine is sent (the protocol's fields added to the client's body).
+    body: bytes
+    #: The prefill side (else the decode side).
+    prefill: bool
+    #: Whether the index follows the chain on this side's engine (always for prefill; for decode
+    #: when decode engines keep prefixes, ``disaggregation.decode_caches_prefixes``).
+    follows_chain: bool
 
 
 class AttemptBooks:
@@ -84,6 +104,7 @@ class Attempt:
         "_cached",
         "_chain",
         "_check",
+        "_client_facing",
         "_context",
         "_error",
         "_index",
@@ -92,6 +113,7 @@ class Attempt:
         "_matched_tokens",
         "_prefill",
         "_prefilling",
+        "_reports_cache",
         "_routable",
         "_scan",
         "_sent",
@@ -122,13 +144,25 @@ class Attempt:
         context: RequestContext,
         first_byte_timeout: float,
         learns: bool = True,
+        side: PairSide | None = None,
     ) -> None:
         """``learns``: tell the policy how this attempt ended (False when the policy did not
-        choose it: an endpoint balanced by load, router/request_path/endpoints.py)."""
+        choose it: an endpoint balanced by load, router/request_path/endpoints.py; nor a pair's
+        decode side, chosen by the decode policy). ``side``: one side of a prefill/decode pair."""
         name = backend.name
         started = context.started
         chain = view.chain
         matched_tokens = decision.matched_blocks * books.block_tokens
+        body, stream, pending = routable.body, routable.stream, view.prompt_tokens - matched_tokens
+        self._client_facing = self._reports_cache = True
+        if side is not None:
+            body, stream = side.body, stream and not side.prefill
+            if not side.follows_chain:
+                chain = ()
+            if not side.prefill:
+                pending = 0
+                learns = False
+            self._client_facing, self._reports_cache = not side.prefill, side.prefill
         self._books = books
         self._routable = routable
         self._view = view
@@ -172,22 +206,23 @@ class Attempt:
         if self._index is not None:
             self._index.picked(name, chain)
         check = None
-        if books.closed_loop is not None and chain:
+        if books.closed_loop is not None and chain and (side is None or side.prefill):
             check = BeliefCheck(
-                books.closed_loop, name, chain, decision.matched_blocks, view.prompt_tokens, routable.body,
-                routable.stream and routable.endpoint in STREAM_USAGE_OPTION,
+                books.closed_loop, name, chain, decision.matched_blocks, view.prompt_tokens, body,
+                stream and routable.endpoint in STREAM_USAGE_OPTION,
             )  # fmt: skip
         self._check = check
-        self.body = check.body if check is not None else routable.body
+        self.body = check.body if check is not None else body
         # Without the closed loop's tap, the access log still wants the engine's cached tokens.
         self._scan = CachedTokensScan() if check is None and context.wants_usage else None
         self.tap: ResponseTap | None = check.tap if check is not None else self._scan
         backend.in_flight += 1
         self._trial = backend.circuit.begin()
-        self._prefill = max(0, view.prompt_tokens - matched_tokens)
-        self._prefilling = True
+        self._prefill = max(0, pending)
+        # The decode side of a prefill/decode pair runs no prefill: it joins the batch at once.
+        self._prefilling = side is None or side.prefill
         backend.pending_prefill_tokens += self._prefill
-        backend.pending_prefill_requests += 1
+        backend.pending_prefill_requests += self._prefilling
 
     def __enter__(self) -> Attempt:
         return self
@@ -215,8 +250,10 @@ class Attempt:
         """A stream's first byte came back at ``at`` (``time.perf_counter``): the prefill is done."""
         self._release_prefill()
         self._ttft = at - self._sent
-        self._context.ttft = at - self._started
-        self._books.metrics.ttft_by(self._routable.endpoint, self._routable.model).observe(at - self._started)
+        if self._client_facing:
+            self._context.ttft = at - self._started
+            routable = self._routable
+            self._books.metrics.ttft_by(routable.endpoint, routable.model).observe(at - self._started)
         if self._index is not None:
             self._index.first_byte(self.backend.name, self._chain)
 
@@ -254,6 +291,15 @@ class Attempt:
         self._books.metrics.upstream_errors.labels(self.backend.name, kind).inc()
         self.backend.circuit.record_failure()
 
+    def abandoned(self) -> None:
+        """The other engine of this attempt's prefill/decode pair failed: this one is let go
+        with no verdict on its backend (the request may be retried with a new pair)."""
+        self._label = "abandoned"
+        self._error = "pair_failed"
+        self._status = None
+        if self._index is not None:
+            self._index.failed(self.backend.name, self._chain)
+
     def _release_prefill(self) -> None:
         if self._prefilling:
             self.backend.pending_prefill_tokens -= self._prefill
@@ -269,11 +315,13 @@ class Attempt:
         label = self._label or CLIENT_CLOSED
         if self._scan is not None:
             self._cached = self._scan.cached
-        self._context.cached_tokens = self._cached
+        if self._reports_cache:
+            self._context.cached_tokens = self._cached
         if self._span is not None:
             self._span.end(self._status, self._error)
         metrics.requests_by(routable.endpoint, routable.model, backend.name, label).inc()
-        metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
+        if self._client_facing:
+            metrics.latency_by(routable.endpoint, routable.model).observe(time.perf_counter() - self._started)
         if self._index is not None:
             self._index.finished(backend.name, self._chain)
         if self._learner is not None:

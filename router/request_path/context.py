@@ -53,6 +53,7 @@ class RequestContext:
         "id",
         "matched_tokens",
         "model",
+        "pair",
         "prompt_tokens",
         "reason",
         "started",
@@ -93,3 +94,5 @@ class RequestContext:
         self.cached_tokens: int | None = None
         #: Set when the status the client saw differs from the response's (a client that left).
         self.status: int | None = None
+        #: A prefill/decode pair: (prefill backend, its reason, decode backend, its reason).
+        self.pair: tuple[str, str, str, str] | None = None

@@ -8,6 +8,9 @@ is an Attempt (router/request_path/attempt.py): it holds the backend's counters,
 trial and pending prefill, follows the index's belief lifecycle and tells the policy how it
 ended, and gives everything back on every path; this module only decides what to try next.
 
+A model served by prefill and decode engines (``backends[].role``) takes one branch of its own,
+router/request_path/disaggregated.py, only when the pool has such backends at all.
+
 Endpoints without a cacheable prompt (router/request_path/endpoints.py: rerank, score,
 tokenize, transcriptions...) skip the key and match steps and are chosen by least load,
 whatever the configured policy. Each request's RequestContext (router/request_path/context.py)
@@ -39,6 +42,7 @@ from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks
 from router.request_path.beliefs import BeliefMetrics, ClosedLoop
 from router.request_path.context import RequestContext
+from router.request_path.disaggregated import Pairs, is_role_split
 from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
 from router.request_path.proxy import Proxy, UpstreamFailed
@@ -92,6 +96,9 @@ class Dispatcher:
         self.policy = policy
         #: The policy of endpoints balanced by load (router/request_path/endpoints.py).
         self._balancer = LeastLoad(seed=config.routing.seed)
+        #: Chooses decode engines for models served by prefill/decode pairs (its own reload rule).
+        self.decode_policy = config.decode_policy
+        self.pairs = Pairs(self.books, proxy, metrics)
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -114,6 +121,8 @@ class Dispatcher:
         candidates = self._candidates(routable.model)
         # Endpoints without a cacheable prompt are balanced by load, whatever the policy.
         prefix_routed = routable.endpoint in PREFIX_ROUTED
+        if self.pool.role_split and prefix_routed and is_role_split(candidates):
+            return await self._pairs(request, routable, candidates, context)
         policy, label = (
             (self._policy, self._policy_label) if prefix_routed else (self._balancer, LeastLoad.name)
         )
@@ -124,6 +133,24 @@ class Dispatcher:
         self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
         route = _Route(policy, label, candidates, matches, prefix_routed, dispatched, trace_started)
         return await self._forward(request, routable, view, route, context)
+
+    async def _pairs(
+        self,
+        request: web.Request,
+        routable: RoutableRequest,
+        candidates: list[Backend],
+        context: RequestContext,
+    ) -> web.StreamResponse:
+        """A model served by prefill/decode pairs: one index lookup over both pools, then the pair."""
+        policy, decode_policy = self._policy, self.decode_policy
+        keyed = policy.uses_prefix_match or decode_policy.uses_prefix_match
+        view = self.keyer.view(routable, keyed)
+        context.prompt_tokens = view.prompt_tokens
+        matches = await self._match(view.chain, candidates) if keyed else {}
+        self.metrics.prompt_tokens_by(routable.model).inc(view.prompt_tokens)
+        return await self.pairs.dispatch(
+            request, routable, view, candidates, matches, context, self.config, policy, decode_policy
+        )
 
     def _candidates(self, model: str) -> list[Backend]:
         """The backends serving ``model`` that are in rotation (the filter)."""

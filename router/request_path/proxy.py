@@ -162,13 +162,25 @@ class Proxy:
     async def forward(self, request: web.Request, attempt: Forwarding) -> web.StreamResponse:
         """Send ``attempt.body`` to ``attempt.url`` (at the request's own path and query) and answer
         ``request`` with what comes back, reporting each step to ``attempt``."""
+        upstream, first = await self.open(request, attempt)
+        return await self.relay(request, attempt, upstream, first)
+
+    async def open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
+        """Send the request and read the first chunk within the attempt's first-byte timeout; a
+        failure (a retryable status included) is UpstreamFailed. The caller owns the response:
+        :meth:`relay` it, or close it."""
         timeout = attempt.first_byte_timeout
         try:
-            upstream, first = await _bounded(self._open(request, attempt), timeout)
+            return await _bounded(self._open(request, attempt), timeout)
         except UpstreamError as exc:
             raise UpstreamFailed.from_exc(exc) from exc
         except asyncio.TimeoutError as exc:
             raise UpstreamFailed("first_byte_timeout", f"no first byte in {timeout:.3g} s") from exc
+
+    async def relay(
+        self, request: web.Request, attempt: Forwarding, upstream: UpstreamResponse, first: bytes
+    ) -> web.StreamResponse:
+        """Answer ``request`` with an opened response, streamed as it arrives."""
         read_to_end = False
         try:
             attempt.answered(upstream.status)
@@ -195,6 +207,27 @@ class Proxy:
                 upstream.release()
             else:
                 upstream.close()
+
+    async def fetch(self, request: web.Request, attempt: Forwarding) -> tuple[int, bytes]:
+        """Send the request and read its whole (non-streamed) answer for the router itself, not
+        the client: a prefill engine's reply. Its end is the prefill's first byte. Failures
+        before the answer is whole are UpstreamFailed."""
+        upstream, first = await self.open(request, attempt)
+        try:
+            try:
+                data = first + await upstream.read()
+            except (UpstreamError, asyncio.TimeoutError) as exc:
+                raise UpstreamFailed.from_exc(exc) from exc
+            attempt.answered(upstream.status)
+            attempt.first_byte(time.perf_counter())
+            if attempt.tap is not None:
+                attempt.tap.body(data)
+            attempt.finished(upstream.status)
+        except BaseException:
+            upstream.close()
+            raise
+        upstream.release()
+        return upstream.status, data
 
     async def _open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk; a retryable status fails the attempt."""
@@ -228,7 +261,7 @@ class Proxy:
         except (UpstreamError, asyncio.TimeoutError) as exc:
             raise UpstreamFailed.from_exc(exc) from exc
         if tap is not None:
-            tap.body(data)
+            data = tap.body(data)
         response = web.Response(status=upstream.status, body=data, headers=headers)
         # Sent here rather than by aiohttp after the handler returns: the attempt's bookkeeping
         # (metrics, circuit, counters) then runs after the client has its answer.

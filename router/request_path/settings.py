@@ -38,6 +38,37 @@ class RoutingConfig:
 
 
 @dataclass(frozen=True)
+class DecodeRoutingConfig:
+    """``disaggregation.decode_routing``: the policy choosing a request's decode engine."""
+
+    #: Any routing policy; the default weighs load, KV usage and (where decode engines cache
+    #: prefixes) the KV that would not need transferring.
+    policy: NonEmptyStr = "decode_balance"
+    params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class DisaggregationConfig:
+    """``disaggregation``: prefill/decode pairs, used for a model whose backends have roles.
+
+    A model served by ``role: prefill`` or ``role: decode`` backends is served by pairs: the
+    prefill engine chosen by ``routing`` over the prefill pool (prefix matching there), the
+    decode engine by ``decode_routing`` over the decode pool. The protocol follows the
+    engines' kind: SGLang's bootstrap (both sent at once) or vLLM's ``kv_transfer_params``
+    (prefill first, then decode with what it returned).
+    """
+
+    decode_routing: DecodeRoutingConfig = field(default_factory=DecodeRoutingConfig)
+    #: The decode engines keep the prefixes they received in a prefix cache of their own (vLLM
+    #: decode with prefix caching; SGLang decode with its radix cache on): the index then learns
+    #: them from decode engines too, and the decode policy sees their matches.
+    decode_caches_prefixes: bool = False
+    #: vLLM: extra keys of the ``kv_transfer_params`` sent to the prefill engine, for connectors
+    #: that want more than NixlConnector's ``do_remote_decode``/``do_remote_prefill``.
+    vllm_kv_transfer_params: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
 class UpstreamConfig:
     """``upstream``: timeouts and retries of the requests to the engines."""
 

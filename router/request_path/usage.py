@@ -49,8 +49,8 @@ def request_usage(body: bytes) -> bytes | None:
 class ResponseTap(Protocol):
     """What the proxy shows a response as it goes by (router/request_path/proxy.py)."""
 
-    def body(self, data: bytes) -> None:
-        """A whole non-streamed response body."""
+    def body(self, data: bytes) -> bytes:
+        """A whole non-streamed response body; returns what to send on to the client."""
 
     def chunk(self, chunk: bytes) -> bytes:
         """One read of a stream; returns what to send on to the client."""
@@ -65,14 +65,15 @@ class UsageTap:
         #: The unfinished SSE event at the end of what was seen so far.
         self._partial = b""
 
-    def body(self, data: bytes) -> None:
-        """A whole non-streamed response body."""
+    def body(self, data: bytes) -> bytes:
+        """A whole non-streamed response body; returns what to send on to the client."""
         try:
             parsed = orjson.loads(data)
         except orjson.JSONDecodeError:
-            return
+            return data
         if isinstance(parsed, dict):
             self.usage = parsed.get("usage")
+        return data
 
     def chunk(self, chunk: bytes) -> bytes:
         """One read of a stream; returns what to send on to the client."""
@@ -127,8 +128,9 @@ class CachedTokensScan:
     def __init__(self) -> None:
         self.cached: int | None = None
 
-    def body(self, data: bytes) -> None:
+    def body(self, data: bytes) -> bytes:
         self.cached = _last_cached(data)
+        return data
 
     def chunk(self, chunk: bytes) -> bytes:
         if _CACHED_KEY in chunk:
@@ -136,3 +138,47 @@ class CachedTokensScan:
             if found is not None:
                 self.cached = found
         return chunk
+
+
+def _with_cached(usage: Any, cached: int) -> bool:
+    """Set ``usage.prompt_tokens_details.cached_tokens`` in place; False when there is no usage."""
+    if not isinstance(usage, dict):
+        return False
+    details = usage.get("prompt_tokens_details")
+    kept = details if isinstance(details, dict) else {}
+    usage["prompt_tokens_details"] = {**kept, "cached_tokens": cached}
+    return True
+
+
+class PrefillUsage(UsageTap):
+    """The decode engine's answer, its usage reporting the prefill engine's cached tokens.
+
+    In prefill/decode disaggregation the decode engine receives the prompt's KV: what it
+    reports as cached is the transfer (or its own leftovers), not the cache that saved
+    prefill. The client reads ``cached_tokens`` for what it was charged prefill for, so the
+    prefill side's count replaces it, in the body or in the stream's usage event.
+    """
+
+    def __init__(self, cached: int) -> None:
+        super().__init__(strip=False)
+        self.cached = cached
+
+    def body(self, data: bytes) -> bytes:
+        try:
+            parsed = orjson.loads(data)
+        except orjson.JSONDecodeError:
+            return data
+        if not isinstance(parsed, dict) or not _with_cached(parsed.get("usage"), self.cached):
+            return data
+        self.usage = parsed["usage"]
+        return orjson.dumps(parsed)
+
+    def _usage_event(self, event: bytes, chunk: bytes) -> bytes:
+        try:
+            parsed = orjson.loads(event[6:])
+        except orjson.JSONDecodeError:
+            return chunk
+        if not isinstance(parsed, dict) or not _with_cached(parsed.get("usage"), self.cached):
+            return chunk
+        self.usage = parsed["usage"]
+        return chunk.replace(event, b"data: " + orjson.dumps(parsed), 1)

@@ -131,6 +131,9 @@ redis.enabled the index store and its connection; everything else is the user's.
 {{- if .Values.discovery.kubernetes.enabled }}
 {{- $_ := unset $config "backends" }}
 {{- $_ := set $config "discovery" (dict "kind" "kubernetes" "kubernetes" (deepCopy .Values.discovery.kubernetes.settings)) }}
+{{- with .Values.discovery.kubernetes.roles }}
+{{- $_ := set $config.discovery "roles" (deepCopy .) }}
+{{- end }}
 {{- end }}
 {{- if .Values.redis.enabled }}
 {{- $index := $config.index | default dict }}

@@ -49,6 +49,8 @@ class FleetSync:
             engine=t.engine,
             models=t.models,
             capacity_blocks=t.capacity_blocks,
+            role=t.role,
+            bootstrap_port=t.bootstrap_port,
         )
 
     def apply(self, endpoints: Iterable[Endpoint]) -> None:
