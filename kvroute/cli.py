@@ -152,7 +152,7 @@ def _simulate(args: argparse.Namespace) -> int:
         return 2
     policies = [p for p in args.policy.split(",") if p]
     return run_command(
-        args.trace,
+        args.workload or args.trace,
         policies,
         model,
         params=args.params,
@@ -279,13 +279,18 @@ def build_parser() -> argparse.ArgumentParser:
         "simulate", "replay a Mooncake trace through routing policies on a model fleet, in virtual time"
     )
     simulate.add_argument(
+        "--workload",
+        choices=("chat", "agent", "no_reuse"),
+        help="a generated workload instead of the trace (seeded by --seed; see loadtest/workloads.py)",
+    )
+    simulate.add_argument(
         "--trace",
         default=str(DEFAULT_TRACE),
         help="Mooncake-format trace, JSONL or .jsonl.gz (the default is the one kvroute ships)",
     )
     simulate.add_argument(
         "--policy",
-        default="round_robin,least_load,prefix_aware,cost",
+        default="round_robin,least_load,prefix_aware,cost,latency",
         help="routing policy, or several separated by commas, each a table row",
     )
     simulate.add_argument("--params", help="the policies' parameters as a JSON object")
@@ -304,7 +309,9 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--limit", type=int, help="replay only the trace's first requests (default: all)")
     simulate.add_argument("--sweep", help="key=v1,v2,...: one row per value of a policy or fleet parameter")
-    simulate.add_argument("--seed", type=int, default=0, help="seed of the policies' random choices")
+    simulate.add_argument(
+        "--seed", type=int, default=0, help="seed of the policies' random choices and of a generated workload"
+    )
     simulate.set_defaults(func=_simulate)
 
     demo = command("demo", "compare round robin and prefix-aware routing on a simulated fleet")

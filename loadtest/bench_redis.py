@@ -104,6 +104,7 @@ def routers(
     nice: int,
     redis_options: dict,
     cpus: set[int] | None = None,
+    policy: str | None = None,
 ) -> Iterator[list[str]]:
     """``contender.replicas`` ``kvroute serve`` processes in front of ``urls``; their base URLs."""
     processes: list[subprocess.Popen[bytes]] = []
@@ -118,7 +119,7 @@ def routers(
                 "listen": {"host": "127.0.0.1", "port": port},
                 "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
                 "backends": [{"name": f"e{j}", "url": u, "models": [MODEL]} for j, u in enumerate(urls)],
-                "routing": {"seed": i + 1},
+                "routing": {"seed": i + 1, **({"policy": policy} if policy else {})},
                 "index": index,
                 "log_level": "warning",
             }
@@ -251,7 +252,7 @@ async def run_contender(
             redis_options["timeout_ms"] = args.lookup_timeout_ms
         if args.write_batch_blocks is not None:
             redis_options["write_batch_blocks"] = args.write_batch_blocks
-        placement = (workdir, args.nice, redis_options, args.router_cpus)
+        placement = (workdir, args.nice, redis_options, args.router_cpus, args.policy)
         with routers(contender, fleet.urls, capacity, redis_url, *placement) as bases:
             async with aiohttp.ClientSession() as http:
                 try:
@@ -377,6 +378,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 s.failed,
                 f"{s.hit_ratio:.1%}",
                 f"{s.hit_ratio / max(reference.hit_ratio, 1e-9):.3f}",
+                ms(s.ttft_mean),
+                f"{s.ttft_mean / max(reference.ttft_mean, 1e-9):.2f}",
                 ms(s.ttft_p50),
                 ms(s.ttft_p99),
                 ms(outcome.decision_p50),
@@ -390,7 +393,8 @@ async def main_async(args: argparse.Namespace) -> int:
             ]
         )
     print()
-    headers = ["contender", "ok", "failed", "hit ratio", "hit vs (a)", "TTFT p50", "TTFT p99"]
+    headers = ["contender", "ok", "failed", "hit ratio", "hit vs (a)", "TTFT mean", "vs (a)", "TTFT p50"]
+    headers += ["TTFT p99"]
     headers += ["decision p50", "p99", "redis match p50", "p99", "fallbacks", "timeouts"]
     headers += ["at rest p50", "p99"]
     print(format_table(headers, rows))
@@ -445,6 +449,7 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the routers' index.redis.write_batch_blocks (default: its default)",
     )
+    parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
     parser.add_argument("--contenders", default="abcd", help="which of (a)-(d) to run; (a) is the reference")
     parser.add_argument(
         "--nice",

@@ -37,6 +37,7 @@ from pathlib import Path
 
 import aiohttp
 
+from loadtest import workloads
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
@@ -54,8 +55,9 @@ KVROUTE = {
     "weighted": ("weighted", {}, False),
     "cost": ("cost", {}, False),
     "cost+closed_loop": ("cost", {}, True),
+    "latency": ("latency", {}, False),
 }
-DEFAULT_CONTENDERS = ("round_robin", "prefix_aware", "cost", "sglang")
+DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "cost", "latency", "sglang")
 
 
 @dataclass(frozen=True)
@@ -72,6 +74,10 @@ class Bench:
     max_output_tokens: int
     #: Replace every prefix id by a fresh one: the same load with no prefix reuse at all.
     no_reuse: bool
+    #: ``mooncake`` (the trace) or a generated workload of :mod:`loadtest.workloads`.
+    workload: str = "mooncake"
+    #: Seeds a generated workload.
+    seed: int = 0
     timeout_s: float = 300.0
 
 
@@ -86,13 +92,13 @@ class Row:
 
 
 def load_requests(bench: Bench) -> list[TraceRequest]:
-    requests = read_trace(bench.trace, minutes=bench.minutes)
+    if bench.workload == "mooncake":
+        requests = read_trace(bench.trace, minutes=bench.minutes)
+    else:
+        requests = workloads.generate(bench.workload, bench.seed, bench.minutes)
     if bench.max_output_tokens:
         requests = [replace(r, output_tokens=min(r.output_tokens, bench.max_output_tokens)) for r in requests]
-    if bench.no_reuse:
-        fresh = iter(range(1, 1 << 62))
-        requests = [replace(r, hash_ids=tuple(next(fresh) for _ in r.hash_ids)) for r in requests]
-    return requests
+    return workloads.fresh_ids(requests) if bench.no_reuse else requests
 
 
 def _consecutive_free_ports(count: int) -> int:
@@ -289,11 +295,13 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
     )
     b = bounds(requests, model)
     print(
-        f"\nbounds: pooled-LRU hit ratio {b.pooled_lru_hit_ratio:.1%}; TTFT floor mean "
+        f"\nbounds: pooled-LRU hit ratio {b.pooled_lru_hit_ratio:.1%}, Belady {b.belady_hit_ratio:.1%}; "
+        f"TTFT floor mean "
         f"{b.ttft_floor_mean * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
     sgl = figs.get("sglang cache_aware")
     rr = figs.get("kvroute round_robin")
+    ll = figs.get("kvroute least_load")
     if sgl or rr:
         print()
         ratios = []
@@ -304,10 +312,14 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
                     ratio(f.hit_ratio, sgl.hit_ratio) if sgl else "-",
                     ratio(f.ttft_mean, sgl.ttft_mean) if sgl else "-",
                     ratio(f.ttft_p99, sgl.ttft_p99) if sgl else "-",
+                    ratio(f.e2e_p50, sgl.e2e_p50) if sgl else "-",
                     ratio(f.e2e_p50, rr.e2e_p50) if rr else "-",
+                    ratio(f.ttft_p99, ll.ttft_p99) if ll else "-",
+                    f"{f.share:.2f}",
                 ]
             )
-        heads = ["ratios", "hit vs sglang", "TTFT mean vs sglang", "TTFT p99 vs sglang", "e2e p50 vs RR"]
+        heads = ["ratios", "hit vs sglang", "TTFT mean vs sglang", "TTFT p99 vs sglang", "e2e p50 vs sglang"]
+        heads += ["e2e p50 vs RR", "TTFT p99 vs least_load", "max/mean share"]
         print(format_table(heads, ratios))
 
     predicted = []
@@ -343,6 +355,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         default=DEFAULT_TRACE,
         help="Mooncake-format trace, JSONL or .jsonl.gz (the default is the one kvroute ships)",
     )
+    parser.add_argument(
+        "--workload",
+        choices=("mooncake", *workloads.NAMES),
+        default="mooncake",
+        help="the trace (mooncake) or a generated workload (loadtest/workloads.py)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seeds a generated workload")
     parser.add_argument("--minutes", type=float, default=10.0, help="trace minutes to replay")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression")
     parser.add_argument("--engines", type=int, default=8)
@@ -373,10 +392,14 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         belief_capacity_tokens=args.belief_capacity or args.capacity,
         max_output_tokens=args.max_output_tokens,
         no_reuse=args.no_reuse,
+        workload=args.workload,
+        seed=args.seed,
     )
     requests = load_requests(bench)
+    generated = f"workload {bench.workload} (seed {bench.seed})"
+    source = bench.trace.name if bench.workload == "mooncake" else generated
     print(
-        f"{len(requests)} requests: the first {bench.minutes:g} min of {bench.trace.name}"
+        f"{len(requests)} requests: the first {bench.minutes:g} min of {source}"
         f"{' (no reuse)' if bench.no_reuse else ''}, {bench.speedup:g}x compressed, streamed; "
         f"{bench.engines} engines x {bench.capacity_tokens:,} KV tokens, fresh for each contender\n",
         flush=True,

@@ -24,6 +24,7 @@ class Summary:
     failed: int
     #: Engine-reported cached prompt tokens / prompt tokens, over successful requests.
     hit_ratio: float
+    ttft_mean: float
     ttft_p50: float
     ttft_p99: float
     #: Fraction of successful requests per backend, by backend name.
@@ -39,6 +40,7 @@ def summarize(results: Sequence[Result]) -> Summary:
         ok=len(good),
         failed=len(results) - len(good),
         hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
+        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
         ttft_p50=percentile(ttfts, 0.50),
         ttft_p99=percentile(ttfts, 0.99),
         share={name: n / len(good) for name, n in sorted(counts.items())},

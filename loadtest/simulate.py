@@ -28,9 +28,8 @@ Where virtual time and the live fleet differ: the live router and the engines sh
 cache works in router blocks (``block_tokens``, 64 by default) where a live engine caches
 16-token blocks (a prompt's partial last router block is never counted as cached here); and
 a request joining decode mid-step is charged from that step as the live decode loop does,
-but its step count is exact only up to floating-point rounding; and the live router records
-a chain when the backend's first byte arrives (after the prefill), so requests that share a
-new prefix and arrive during its prefill are not yet steered together there.
+but its step count is exact only up to floating-point rounding. Like the live router (every
+index believes a chain at the pick), the model records a chain when it sends the request.
 """
 
 from __future__ import annotations
@@ -42,12 +41,13 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
 import yaml
 
+from loadtest import workloads
 from loadtest.report import format_table, percentile
 from loadtest.sim.cache import PrefixCache
 from loadtest.sim.timing import EngineTiming
@@ -258,6 +258,7 @@ class Simulation:
         )
         self.in_flight = dict.fromkeys(self.names, 0)
         self.pending_prefill = dict.fromkeys(self.names, 0)
+        self.prefilling = dict.fromkeys(self.names, 0)
         self._reasons: dict[int, str] = {}
         self.outcomes: dict[int, Outcome] = {}
 
@@ -297,6 +298,7 @@ class Simulation:
                 in_flight=self.in_flight[name],
                 cached_blocks=self.index.blocks_of(name),
                 pending_prefill_tokens=self.pending_prefill[name],
+                pending_prefill_requests=self.prefilling[name],
             )
             for name in self.names
         ]
@@ -331,11 +333,13 @@ class Simulation:
             self.index.record(decision.backend, chain)
         self.in_flight[decision.backend] += 1
         self.pending_prefill[decision.backend] += job.pending_tokens
+        self.prefilling[decision.backend] += 1
         engine.submit(job, self.now)
 
     def first_token(self, job: _Job) -> None:
         """The router sees the first byte: that request's prefill no longer queues anyone."""
         self.pending_prefill[job.backend] -= job.pending_tokens
+        self.prefilling[job.backend] -= 1
 
     def finished(self, job: _Job, now: float) -> None:
         self.in_flight[job.backend] -= 1
@@ -438,13 +442,16 @@ class Bounds:
 
     #: Hit ratio of one LRU cache as large as the whole fleet: perfect placement on LRU engines.
     pooled_lru_hit_ratio: float
+    #: Hit ratio of that pooled cache under Belady's optimal (clairvoyant) eviction: what no
+    #: placement on any eviction can beat with the fleet's memory.
+    belady_hit_ratio: float
     #: Each request's own prefill of what that pooled cache misses, without any queueing.
     ttft_floor_mean: float
     ttft_floor_p50: float
     ttft_floor_p99: float
 
 
-def bounds(requests: Iterable[TraceRequest], model: FleetModel) -> Bounds:
+def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
     pooled = PrefixCache(model.engines * model.capacity_tokens // model.block_tokens, model.block_tokens, 1)
     floors = []
     for request in requests:
@@ -454,10 +461,64 @@ def bounds(requests: Iterable[TraceRequest], model: FleetModel) -> Bounds:
         floors.append(model.timing.prefill_seconds(request.input_tokens - cached))
     return Bounds(
         pooled_lru_hit_ratio=pooled.hits_tokens / pooled.queries_tokens if pooled.queries_tokens else 0.0,
+        belady_hit_ratio=belady_hit_ratio(
+            [r.chain(model.block_tokens) for r in requests],
+            [r.input_tokens for r in requests],
+            model.engines * model.capacity_tokens // model.block_tokens,
+            model.block_tokens,
+        ),
         ttft_floor_mean=sum(floors) / len(floors) if floors else math.nan,
         ttft_floor_p50=percentile(floors, 0.5),
         ttft_floor_p99=percentile(floors, 0.99),
     )
+
+
+def belady_hit_ratio(
+    chains: Sequence[Sequence[int]], prompt_tokens: Sequence[int], capacity_blocks: int, block_tokens: int
+) -> float:
+    """Hit ratio of a prefix cache of ``capacity_blocks`` that evicts the block used furthest in
+    the future (Belady's MIN), and does not admit a block used later than everything it holds.
+
+    A request hits its leading cached blocks, as in the engines. Every request that uses a
+    block uses its parent too, so a parent is never needed later than its child: ties are
+    broken by evicting the deeper block first, and a child never outlives a parent it needs.
+    """
+    never = len(chains)
+    following: list[list[int]] = [[] for _ in chains]
+    last: dict[int, int] = {}
+    for i in range(len(chains) - 1, -1, -1):
+        following[i] = [last.get(block, never) for block in chains[i]]
+        for block in chains[i]:
+            last[block] = i
+    cached: dict[int, int] = {}  # block -> its next use
+    furthest: list[tuple[int, int, int]] = []  # (-next use, -depth, block), stale entries skipped
+    hits = queried = 0
+    for i, chain in enumerate(chains):
+        leading = 0
+        while leading < len(chain) and chain[leading] in cached:
+            leading += 1
+        hits += min(leading * block_tokens, prompt_tokens[i])
+        queried += prompt_tokens[i]
+        for depth, (block, next_use) in enumerate(zip(chain, following[i], strict=True)):
+            if block in cached:
+                cached[block] = next_use
+                heapq.heappush(furthest, (-next_use, -depth, block))
+                continue
+            if next_use == never:
+                continue
+            while len(cached) >= capacity_blocks:
+                far, _, victim = furthest[0]
+                if cached.get(victim) != -far:
+                    heapq.heappop(furthest)  # stale: evicted or used again since
+                    continue
+                if -far <= next_use:
+                    break  # everything held is needed sooner: do not admit
+                heapq.heappop(furthest)
+                del cached[victim]
+            if len(cached) < capacity_blocks:
+                cached[block] = next_use
+                heapq.heappush(furthest, (-next_use, -depth, block))
+    return hits / queried if queried else 0.0
 
 
 #: FleetModel fields ``--sweep`` may vary besides the policy's own parameters.
@@ -528,7 +589,8 @@ def report(
     b = bounds(requests, base)
     out(
         f"\nbounds for {base.engines} engines x {base.capacity_tokens:,} tokens: pooled-LRU hit ratio "
-        f"{b.pooled_lru_hit_ratio:.1%}; TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
+        f"{b.pooled_lru_hit_ratio:.1%}, Belady (optimal eviction) {b.belady_hit_ratio:.1%}; "
+        f"TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
     return summaries
@@ -564,6 +626,15 @@ def parse_params(text: str | None) -> dict[str, Any]:
     return params
 
 
+def load_source(source: str, *, minutes: float | None, limit: int | None, seed: int) -> list[TraceRequest]:
+    """A generated workload's requests (``source`` one of :data:`loadtest.workloads.NAMES`), else
+    the trace file at ``source``; either cut to its first ``minutes`` and ``limit`` requests."""
+    if source in workloads.NAMES:
+        requests = workloads.generate(source, seed, 10.0 if minutes is None else minutes)
+        return requests[:limit] if limit is not None else requests
+    return read_trace(source, minutes=minutes, limit=limit)
+
+
 def run_command(
     trace: str,
     policies: Sequence[str],
@@ -580,7 +651,7 @@ def run_command(
         runs = sweep_runs(policies, parse_params(params), parse_sweep(sweep), model)
         for policy, _, _, run_params in runs:
             build_policy(policy, run_params, seed=seed)  # refuse bad params before the long part
-        requests = read_trace(trace, minutes=minutes, limit=limit)
+        requests = load_source(trace, minutes=minutes, limit=limit, seed=seed)
     except (UsageError, PolicyLoadError, TraceError, OSError, ValueError, TypeError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2

@@ -57,6 +57,9 @@ class BackendView:
     #: Estimated prompt tokens still to prefill there: the uncached part of each request this
     #: router sent that has not produced its first byte yet. The queue a new prefill waits behind.
     pending_prefill_tokens: int = 0
+    #: How many requests those pending tokens belong to: of the backend's load, the requests
+    #: still queued for or in prefill; the rest are decoding (``decoding``).
+    pending_prefill_requests: int = 0
 
     @property
     def load(self) -> int:
@@ -68,6 +71,14 @@ class BackendView:
         """
         engine = (self.engine_running or 0) + (self.engine_waiting or 0)
         return max(self.in_flight, engine)
+
+    @property
+    def decoding(self) -> int:
+        """Outstanding requests past their prefill: the decode batch a new request joins.
+
+        The load less the requests this router knows are still before their first byte.
+        """
+        return max(0, self.load - self.pending_prefill_requests)
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,7 +220,8 @@ def test_serve_from_flags_alone_routes_to_the_simulated_fleet(processes):
     router, admin = f"http://127.0.0.1:{router_port}", f"http://127.0.0.1:{router_port + 1}"
     wait_until_up(f"{router}/ready")
     names = {f"127.0.0.1:{engine_port}", f"127.0.0.1:{engine_port + 1}"}
-    assert {chat(router) for _ in range(4)} == names  # least_load with nothing in flight: both serve
+    # least_load with nothing in flight: ties at random, so both serve (4 tries missed one 1 in 8).
+    assert {chat(router) for _ in range(16)} == names
     assert get(f"{router}/admin/config")[0] == 404  # the admin API is on its loopback port only
     config = json.loads(get(f"{admin}/admin/config")[1])["config"]
     assert (config["admin"]["listen"]["host"], config["admin"]["listen"]["port"]) == (
@@ -351,7 +352,7 @@ def help_of(*args: str) -> str:
 def test_every_commands_help_shows_its_defaults():
     assert "bench overhead | bench report | bench routing" in help_of()
     assert "(default: 8001)" in help_of("sim") and "(default: 4096)" in help_of("sim")
-    assert "(default: 1)" in help_of("serve") and "(a file without one: prefix_aware)" in help_of("serve")
+    assert "(default: 1)" in help_of("serve") and "(a file without one: latency)" in help_of("serve")
     assert "conversation_trace.jsonl.gz)" in help_of("simulate")
     assert "(default: 96)" in help_of("demo")
     for benchmark, default in (("overhead", "(default: 200.0)"), ("routing", "(default: 10.0)")):

@@ -183,10 +183,10 @@ async def test_stale_beliefs_are_dropped_when_the_engine_reports_a_miss(make_rou
         for topic in range(6):  # the engine keeps about the last two; the router believes all six
             await post(http, router, chat_body(topic, **extra))
         reason, _ = await post(http, router, chat_body(3, **extra))
-        assert reason == "prefix_hit"  # believed, but evicted by the engine since
+        assert reason == "latency_hit"  # believed, but evicted by the engine since
         # The engine reported the miss: it lost topic 3, so it lost the older topics 0-2 too.
         for topic in (0, 1, 2):
-            assert (await post(http, router, chat_body(topic, **extra)))[0] == "no_match_least_load"
+            assert (await post(http, router, chat_body(topic, **extra)))[0] == "latency_no_match"
         samples = await scrape(http, router.url)
     assert total(samples, "kvroute_belief_overestimates_total", backend="e0") >= 1
     assert total(samples, "kvroute_belief_forgotten_blocks_total", backend="e0") > 0
@@ -201,7 +201,7 @@ async def test_open_loop_keeps_believing_what_the_engine_lost(make_router, http)
         for topic in range(6):
             await post(http, router, chat_body(topic))
         for topic in (3, 0, 1, 2):
-            assert (await post(http, router, chat_body(topic)))[0] == "prefix_hit"
+            assert (await post(http, router, chat_body(topic)))[0] == "latency_hit"
         samples = await scrape(http, router.url)
     assert total(samples, "kvroute_belief_predicted_tokens_total") == 0
 

@@ -71,7 +71,7 @@ def test_every_default() -> None:
     assert isinstance(config.backends, tuple)
     assert (config.listen.host, config.listen.port) == ("127.0.0.1", 8080)
     r = config.routing
-    assert (r.policy, r.params, r.seed, r.session_header) == ("prefix_aware", {}, None, "x-session-id")
+    assert (r.policy, r.params, r.seed, r.session_header) == ("latency", {}, None, "x-session-id")
     i = config.index
     assert (i.store, i.block_size, i.chars_per_token, i.backend_capacity_blocks, i.max_blocks) == (
         "memory",
@@ -385,7 +385,7 @@ def test_backend_kv_events_are_typed_and_name_their_keys() -> None:
         ("limits.max_headers", 0, 1, "an integer >= 1"),
         ("discovery.dns.port", 65536, 1, "an integer in [1, 65535]"),
         ("engine_metrics.interval_s", -1, 1, "a number > 0"),
-        ("routing.params.min_match_ratio", -0.1, 0, "a number in [0, 1]"),
+        ("routing.params.reuse_half_life", 0, 0.5, "a number > 0"),
     ],
 )
 def test_declared_ranges_refuse_what_is_outside_and_take_their_bounds(

@@ -426,7 +426,7 @@ async def test_precise_mode_learns_the_prefill_engines_from_their_kv_events(make
         async with http.post(f"{router.url}/v1/chat/completions", json={**body, "max_tokens": 2}) as resp:
             assert resp.status == 200
             assert resp.headers["x-kvroute-prefill-backend"] == "p1"
-            assert resp.headers["x-kvroute-prefill-reason"] == "prefix_hit"
+            assert resp.headers["x-kvroute-prefill-reason"] == "latency_hit"
             assert (await resp.json())["usage"]["prompt_tokens_details"]["cached_tokens"] > 0
 
 

@@ -40,8 +40,8 @@ async def test_embeddings_route_by_prefix_and_hit_the_engines_cache(fleet, make_
     api = client(router)
     first = await api.embeddings.with_raw_response.create(model=MODEL, input=DOCUMENT + "first question")
     second = await api.embeddings.with_raw_response.create(model=MODEL, input=DOCUMENT + "second question")
-    assert first.headers["x-kvroute-reason"] == "no_match_least_load"
-    assert second.headers["x-kvroute-reason"] == "prefix_hit"
+    assert first.headers["x-kvroute-reason"] == "latency_no_match"
+    assert second.headers["x-kvroute-reason"] == "latency_hit"
     assert second.headers["x-kvroute-backend"] == first.headers["x-kvroute-backend"]
     assert int(second.headers["x-kvroute-matched-tokens"]) > 0
     result = second.parse()
@@ -82,7 +82,7 @@ async def test_responses_non_streamed_and_streamed(fleet, make_router, http):
     # The same instructions: the second request went where the first one's prefix is cached.
     assert completed.response.usage.input_tokens_details.cached_tokens > 0
     samples = await scrape(http, router.url)
-    assert total(samples, "kvroute_routing_decisions_total", reason="prefix_hit") == 1
+    assert total(samples, "kvroute_routing_decisions_total", reason="latency_hit") == 1
     assert total(samples, "kvroute_ttft_seconds_count", endpoint="responses") == 1
 
 
@@ -100,7 +100,7 @@ async def test_a_chat_conversation_continued_as_a_response_shares_its_prefix(fle
             {"role": "user", "content": [{"type": "input_text", "text": "hi again"}]},
         ],
     )
-    assert response.headers["x-kvroute-reason"] == "prefix_hit"
+    assert response.headers["x-kvroute-reason"] == "latency_hit"
     assert response.headers["x-kvroute-backend"] == chat.headers["x-kvroute-backend"]
 
 
@@ -363,4 +363,4 @@ async def test_precise_mode_keys_embeddings_and_responses_as_the_engine_tokenize
         await wait_for(reported, what="e1's KV events applied")
         status, headers, _ = await post_json(http, router.url + path, body)
         assert status == 200
-        assert (headers["x-kvroute-backend"], headers["x-kvroute-reason"]) == ("e1", "prefix_hit")
+        assert (headers["x-kvroute-backend"], headers["x-kvroute-reason"]) == ("e1", "latency_hit")

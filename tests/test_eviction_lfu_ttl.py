@@ -199,4 +199,4 @@ async def test_a_router_with_another_eviction_policy_still_finds_hits(eviction, 
         async with http.post(f"{router.url}/v1/chat/completions", json=body) as resp:
             assert resp.status == 200
             reasons.append(resp.headers["x-kvroute-reason"])
-    assert reasons == ["no_match_least_load", "prefix_hit", "prefix_hit"]
+    assert reasons == ["latency_no_match", "latency_hit", "latency_hit"]

@@ -47,7 +47,7 @@ async def test_redis_losing_its_data_fails_nothing_and_is_refilled(redis_server,
     statuses = [await chat(http, router.url, f"after the flush {i}") for i in range(5)]
     assert [s for s, _ in statuses] == [200] * 5
     await wait_for(written, what="the shared index to fill up again from new requests")
-    assert (await chat(http, router.url, "and again"))[1] == "prefix_hit"
+    assert (await chat(http, router.url, "and again"))[1] == "latency_hit"
     await wait_released(http, router.url)
 
 

@@ -301,3 +301,17 @@ def test_random_operations_under_a_tight_global_budget(seed: int) -> None:
     # Nothing stale is left behind in the reverse map.
     assert index.size() == 0
     assert all(index.match_now(chain) == {} for chain in recorded)
+
+
+def test_a_pick_is_believed_at_once_and_withdrawn_when_it_fails() -> None:
+    index = MemoryIndex(1000)
+    index.add_backend("a", 100)
+    index.add_backend("b", 100)
+    index.record("a", [1])  # held before this attempt
+    index.picked("a", [1, 2, 3])
+    index.picked("b", [1, 2])
+    assert index.match_now([1, 2, 3, 4]) == {"a": 3, "b": 2}
+    index.failed("a", [1, 2, 3])  # its cache is in doubt: the whole chain goes
+    assert index.match_now([1, 2, 3, 4]) == {"b": 2}
+    assert (index.blocks_of("a"), index.size()) == (0, 2)
+    index.failed("gone", [1])  # an unknown backend: nothing to withdraw

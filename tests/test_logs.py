@@ -118,12 +118,12 @@ async def test_json_logs_carry_the_request_id_and_one_access_line_per_request(se
     first = access[first_id]
     assert first["endpoint"] == "completions" and first["model"] == MODEL and first["backend"] == "e0"
     assert first["status"] == 200 and first["tenant"] == "default" and first["attempts"] == 1
-    assert first["reason"] == "no_match_least_load"
+    assert first["reason"] == "latency_no_match"
     assert first["prompt_tokens"] > 0 and first["cached_tokens"] == 0
     assert first["duration_ms"] > 0 and first["ttft_ms"] is None  # not streamed: no first byte before the end
     completion = access[completion_id]
     # The engine reported the shared prefix cached, where the router predicted a match.
-    assert completion["reason"] == "prefix_hit"
+    assert completion["reason"] == "latency_hit"
     assert completion["cached_tokens"] > 0 and completion["matched_tokens"] > 0
     refused = access[refused_id]
     assert (refused["status"], refused["endpoint"], refused["model"], refused["backend"]) == (
@@ -164,7 +164,7 @@ async def test_text_logs_tag_lines_with_the_id_and_write_logfmt_access_lines(ser
     assert (
         "kvroute.access [emb-7]: tenant=default endpoint=embeddings model=sim-model backend=e0 " in embedded
     )
-    assert " reason=no_match_least_load status=200 attempts=1 " in embedded
+    assert " reason=latency_no_match status=200 attempts=1 " in embedded
     assert " ttft_ms=- " in embedded and " cached_tokens=0 " in embedded
     streamed = lines["str-8"]
     assert " endpoint=chat " in streamed and " cached_tokens=0 " in streamed

@@ -81,10 +81,10 @@ async def test_pending_prefill_is_held_until_the_first_byte_and_released_on_ever
         url = f"{router.url}/v1/chat/completions"
 
         async def pending() -> bool:
-            return backend.pending_prefill_tokens > 0
+            return backend.pending_prefill_tokens > 0 and backend.pending_prefill_requests == 1
 
         async def released() -> bool:
-            return backend.pending_prefill_tokens == 0
+            return backend.pending_prefill_tokens == 0 and backend.pending_prefill_requests == 0
 
         # A stream: held while the engine prefills, released at its first byte.
         async with http.post(url, json=body("stream", stream=True, max_tokens=50)) as resp:
@@ -100,3 +100,53 @@ async def test_pending_prefill_is_held_until_the_first_byte_and_released_on_ever
         await wait_for(pending, what="pending prefill held for the abandoned request")
         abandoned.cancel()
         await wait_for(released, what="pending prefill released after the client left", timeout=2.0)
+
+
+@pytest.mark.parametrize(("policy", "spreads"), [("latency", True), ("cost", False)])
+async def test_a_shared_document_spreads_once_its_holders_batch_costs_more(
+    policy, spreads, make_router, http
+):
+    """Issue 20's hot-spot over HTTP: requests behind one long shared document, each still
+    decoding when the next comes. ``cost`` keeps them all on the document's holder; the
+    default ``latency`` prices the decode batch each one joins and copies the (reused)
+    document to other engines."""
+    slow_decode = FAST.__class__(decode_step_s=0.02)
+    document = "The shared reference document, long enough to matter. " * 150  # ~2,000 tokens
+    async with SimFleet(3, timing=slow_decode) as fleet:
+        router = await make_router(backends_of(fleet), routing={"policy": policy, "seed": 1})
+        url = f"{router.url}/v1/chat/completions"
+        streams, picks = [], []
+        for i in range(9):
+            messages = [{"role": "system", "content": document}, {"role": "user", "content": f"q{i}"}]
+            request = {"model": MODEL, "messages": messages, "max_tokens": 60, "stream": True}
+            resp = await http.post(url, json=request)  # its head comes with the first byte
+            assert resp.status == 200
+            picks.append(resp.headers["x-kvroute-backend"])
+            streams.append(resp)
+        for resp in streams:
+            await resp.read()
+    assert (len(set(picks)) > 1) is spreads, picks
+    if spreads:
+        assert max(picks.count(b) for b in set(picks)) <= 6
+
+
+async def test_a_request_sharing_a_prefix_still_in_prefill_follows_it(make_router, http):
+    """The index believes a chain at the pick, not at the engine's first byte: a request that
+    shares the prefix and arrives during its prefill goes where that prefix is being built."""
+    slow_prefill = FAST.__class__(prefill_base_s=0.5)
+    async with SimFleet(3, timing=slow_prefill) as fleet:
+        router = await make_router(backends_of(fleet))
+        url = f"{router.url}/v1/chat/completions"
+        first = asyncio.create_task(http.post(url, json=body("first", stream=True)))
+        backend = router.app[POOL]
+
+        async def sent() -> bool:
+            return any(b.pending_prefill_requests for b in backend)
+
+        await wait_for(sent, what="the first request picked and sent")
+        async with http.post(url, json=body("second")) as resp:
+            assert resp.headers["x-kvroute-reason"] == "latency_hit"
+            second = resp.headers["x-kvroute-backend"]
+        async with await first as resp:
+            assert resp.headers["x-kvroute-backend"] == second
+            await resp.read()

@@ -30,6 +30,7 @@ REASONS = {
     "consistent_hash": {"ring_owner", "ring_spill", "no_key_least_load"},
     "cost": {"cost_hit", "cost_spill", "cost_no_match"},
     "weighted": {"weighted_hit", "weighted_spill", "weighted_no_match"},
+    "latency": {"latency_hit", "latency_spill", "latency_no_match"},
 }
 
 

@@ -59,7 +59,7 @@ async def test_a_prompt_cached_behind_the_routers_back_is_routed_to_its_engine(
 
     await wait_for(reported, what="e1's index equal to its engine's cache")
     backend, reason, usage = await chat(http, router.url)
-    assert (backend, reason) == ("e1", "prefix_hit")
+    assert (backend, reason) == ("e1", "latency_hit")
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 
@@ -85,7 +85,7 @@ async def test_an_eviction_the_engine_reports_overrides_where_the_router_sent_th
 
     await wait_for(reported, what="the first engine's blocks gone and the other's reported")
     backend, reason, usage = await chat(http, router.url)
-    assert (backend, reason) == (other, "prefix_hit")
+    assert (backend, reason) == (other, "latency_hit")
     assert usage["prompt_tokens_details"]["cached_tokens"] > 0
 
 

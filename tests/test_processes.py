@@ -26,7 +26,9 @@ def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Pa
                 "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
                 "backends": backends,
                 "index": index,
-                "routing": {},
+                # The deepest match, deterministically: this file tests the workers' shared
+                # index, not the default policy's trade of a hit against load.
+                "routing": {"policy": "prefix_aware"},
             }
         )
     )

@@ -52,7 +52,7 @@ async def test_a_prefix_routed_by_one_replica_is_found_by_another(redis_server, 
     second = await chat(http, two.url, "turn two")
     assert second.status == 200
     assert second.headers["x-kvroute-backend"] == backend
-    assert second.headers["x-kvroute-reason"] == "prefix_hit"
+    assert second.headers["x-kvroute-reason"] == "latency_hit"
     samples = await scrape(http, two.url)
     assert total(samples, "kvroute_matched_tokens_total") > 0
     assert total(samples, "kvroute_redis_fallbacks_total") == 0
@@ -139,9 +139,11 @@ async def test_a_replica_that_dies_stops_counting():
             return live_pool["e0"].remote_in_flight == 0
 
         await wait_for(forgotten, what="e0's remote in-flight count forgotten", timeout=3)
-        assert server.client().hlen("{kvroute}:load") == 1  # the dead replica's field was deleted
+        for key in ("{kvroute}:load", "{kvroute}:prefill"):
+            assert server.client().hlen(key) == 1  # the dead replica's fields were deleted
         await live.close()
-        assert server.client().hlen("{kvroute}:load") == 0  # a clean stop withdraws at once
+        for key in ("{kvroute}:load", "{kvroute}:prefill"):
+            assert server.client().hlen(key) == 0  # a clean stop withdraws at once
         for link in links:
             await link.close()
 
@@ -163,5 +165,56 @@ async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view()
         await one.sync_once()
         await two.sync_once()
         assert (pool_two["e0"].remote_in_flight, pool_two["e1"].remote_in_flight) == (2, 0)
+        for link in links:
+            await link.close()
+
+
+async def test_a_replica_publishes_a_new_prefix_at_the_pick_before_its_prefill_ends(
+    redis_server, make_router, http
+):
+    """A burst sharing a new prefix that lands on two replicas during its prefill follows the
+    first pick: the other replica learns where it went before the engine's first byte."""
+    slow_prefill = FAST.__class__(prefill_base_s=1.0)
+    async with SimFleet(3, timing=slow_prefill) as fleet:
+        routing = {"policy": "prefix_aware"}
+        one = await make_router(backends_of(fleet), index=redis_index(redis_server), routing=routing)
+        two = await make_router(backends_of(fleet), index=redis_index(redis_server), routing=routing)
+        first = asyncio.create_task(chat(http, one.url, "turn one"))
+        keys = [f"{{kvroute}}:blocks:e{i}" for i in range(3)]
+
+        async def published() -> bool:
+            return any(redis_server.client().zcard(key) > 0 for key in keys)
+
+        await wait_for(published, what="the pick published to Redis", timeout=0.9)
+        assert not first.done()  # still in its one-second prefill
+        second = await chat(http, two.url, "turn two")
+        assert second.headers["x-kvroute-reason"] == "prefix_hit"
+        assert second.headers["x-kvroute-backend"] == (await first).headers["x-kvroute-backend"]
+
+
+async def test_replicas_share_their_pending_prefill_and_policies_see_it():
+    """What the default policy reads of a backend (pending prefill, and so its decode batch)
+    counts every replica's requests, not only this one's."""
+    with redis_server() as server:
+        config = RedisConfig(url=server.url)
+        backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
+        links = [
+            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "abc"
+        ]
+        pools = [BackendPool(backends) for _ in links]
+        views = [SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True)]
+        for pool, (tokens, requests) in zip(pools[:2], [(3000, 2), (500, 1)], strict=True):
+            pool["e0"].in_flight = 4
+            pool["e0"].pending_prefill_tokens = tokens
+            pool["e0"].pending_prefill_requests = requests
+        for view in views:
+            await view.sync_once()
+        e0 = pools[2]["e0"].view(0, 0)
+        assert (e0.in_flight, e0.pending_prefill_tokens, e0.pending_prefill_requests) == (8, 3500, 3)
+        assert e0.decoding == 5
+        await views[0].sync_once()  # it published first: now it reads the others'
+        mine = pools[0]["e0"].view(0, 0)  # its own counts plus the others', never twice
+        assert (mine.in_flight, mine.pending_prefill_tokens, mine.pending_prefill_requests) == (8, 3500, 3)
+        assert pools[2]["e1"].view(0, 0).pending_prefill_tokens == 0
         for link in links:
             await link.close()

@@ -33,7 +33,7 @@ async def test_chat_non_streaming_through_openai_client(fleet, make_router):
     assert completion.choices[0].message.content == " tok" * 5
     assert completion.usage.prompt_tokens > 0
     assert raw.headers["x-kvroute-backend"] in {"e0", "e1", "e2"}
-    assert raw.headers["x-kvroute-reason"] == "no_match_least_load"
+    assert raw.headers["x-kvroute-reason"] == "latency_no_match"
 
 
 async def test_chat_streaming_with_usage(fleet, make_router):
@@ -99,13 +99,14 @@ async def test_repeated_prefixes_stick_while_load_spreads(fleet, make_router):
             model=MODEL, messages=chat("second turn", system), max_tokens=1
         )
         assert raw.headers["x-kvroute-backend"] == first_pick[i]
-        assert raw.headers["x-kvroute-reason"] == "prefix_hit"
+        assert raw.headers["x-kvroute-reason"] == "latency_hit"
         assert raw.parse().usage.prompt_tokens_details.cached_tokens > 0
 
 
 async def test_one_hot_prefix_does_not_pile_onto_one_replica(fleet, make_router, http):
     """Concurrent requests sharing one prefix spread once a replica is loaded (the hot-spot guard)."""
-    router = await make_router(backends_of(fleet), routing={"params": {"balance_abs_threshold": 2}})
+    routing = {"policy": "prefix_aware", "params": {"balance_abs_threshold": 2}}
+    router = await make_router(backends_of(fleet), routing=routing)
     api = client(router)
     await api.chat.completions.create(model=MODEL, messages=chat("warm up"), max_tokens=1)
 
@@ -311,7 +312,7 @@ async def test_metrics_count_requests_and_decisions(fleet, make_router, http):
         await api.chat.completions.create(model=MODEL, messages=chat("same"), max_tokens=1)
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_requests_total", endpoint="chat", model=MODEL, status="200") == 3
-    assert total(samples, "kvroute_routing_decisions_total", policy="prefix_aware", reason="prefix_hit") == 2
+    assert total(samples, "kvroute_routing_decisions_total", policy="latency", reason="latency_hit") == 2
     assert total(samples, "kvroute_matched_tokens_total", model=MODEL) > 0
     assert total(samples, "kvroute_backend_healthy") == 3
     assert total(samples, "kvroute_index_blocks") > 0

@@ -78,8 +78,8 @@ async def test_a_request_is_a_span_continuing_the_clients_trace_with_route_and_u
     assert request.attributes["kvroute.endpoint"] == "chat"
 
     assert route.parent.span_id == request.context.span_id
-    assert route.attributes["kvroute.policy"] == "prefix_aware"
-    assert route.attributes["kvroute.reason"] == "no_match_least_load"
+    assert route.attributes["kvroute.policy"] == "latency"
+    assert route.attributes["kvroute.reason"] == "latency_no_match"
     assert route.attributes["kvroute.matched_tokens"] == 0
     assert sorted(route.attributes["kvroute.candidates"]) == ["e0", "e1", "e2"]
     assert route.start_time <= route.end_time <= upstream.start_time
@@ -101,7 +101,7 @@ async def test_the_second_request_of_a_prefix_shows_the_match_in_its_route_span(
         async with http.post(f"{router.url}/v1/chat/completions", json=CHAT) as resp:
             assert resp.status == 200
     routes = by_name(await finished_spans(exporter, 6))["route"]
-    assert [r.attributes["kvroute.reason"] for r in routes] == ["no_match_least_load", "prefix_hit"]
+    assert [r.attributes["kvroute.reason"] for r in routes] == ["latency_no_match", "latency_hit"]
     assert routes[1].attributes["kvroute.matched_tokens"] > 0
     # Without a client traceparent each request starts a trace of its own.
     assert routes[0].context.trace_id != routes[1].context.trace_id

@@ -11,6 +11,7 @@ from policies.routing.base import RoutingPolicy
 from policies.routing.consistent_hash import ConsistentHash
 from policies.routing.cost import Cost
 from policies.routing.decode_balance import DecodeBalance
+from policies.routing.latency import Latency
 from policies.routing.least_load import LeastLoad
 from policies.routing.power_of_two import PowerOfTwo
 from policies.routing.prefix_aware import PrefixAware
@@ -31,6 +32,7 @@ BUILTIN: dict[str, type[RoutingPolicy]] = {
         PrefixAware,
         Cost,
         Weighted,
+        Latency,
         DecodeBalance,
     )
 }

@@ -47,6 +47,11 @@ class Backend:
         #: Uncached prompt tokens of this router's requests there without a first byte
         #: (router/request_path/attempt.py).
         self.pending_prefill_tokens = 0
+        #: This router's requests there without a first byte (the owners of those tokens).
+        self.pending_prefill_requests = 0
+        #: The other replicas' pending prefill there, as last read from the shared load view.
+        self.remote_pending_prefill_tokens = 0
+        self.remote_pending_prefill_requests = 0
         #: Passive ejection from what real requests get (router/fleet/circuit.py).
         self.circuit = CircuitBreaker(health.eject_after, health.eject_s, health.max_eject_s)
         #: Taken out of rotation by an operator (config ``drain: true`` or the admin API).
@@ -133,7 +138,8 @@ class Backend:
             engine_running=engine.running if engine else None,
             kv_usage=engine.kv_usage if engine else None,
             cached_blocks=cached_blocks,
-            pending_prefill_tokens=self.pending_prefill_tokens,
+            pending_prefill_tokens=self.pending_prefill_tokens + self.remote_pending_prefill_tokens,
+            pending_prefill_requests=self.pending_prefill_requests + self.remote_pending_prefill_requests,
         )
 
 

@@ -1,4 +1,6 @@
-"""The shared load view: every router replica's in-flight requests per backend, summed.
+"""The shared load view: every router replica's in-flight requests per backend, summed, and
+its pending prefill (the uncached prompt tokens of its requests there without a first byte,
+and how many requests they are).
 
 A policy weighing "how busy is this backend" must count the requests every replica sent
 there, not only its own, or N replicas each pile up to the threshold on the same engine.
@@ -65,24 +67,33 @@ class SharedLoad:
         dropped = sorted(self._dropped - {backend.name for backend in self.pool})
         args: list[object] = [self.id, int(self.config.load_ttl_s * 1000), len(dropped), *dropped]
         for backend in self.pool:
-            args += [backend.name, backend.in_flight]
+            args += [
+                backend.name,
+                backend.in_flight,
+                max(0, backend.pending_prefill_tokens),
+                max(0, backend.pending_prefill_requests),
+            ]
+        keys = [self.keys.replicas, self.keys.load, self.keys.prefill]
         reply = await self.link.call(
-            "load",
-            lambda: _LOAD(self.link.client, [self.keys.replicas, self.keys.load], args),
-            self.config.background_timeout_ms / 1000,
+            "load", lambda: _LOAD(self.link.client, keys, args), self.config.background_timeout_ms / 1000
         )
         self._last_sync = time.monotonic()
         self._dropped.difference_update(dropped)
         others = {
-            (name.decode() if isinstance(name, bytes) else name): int(count)
-            for name, count in zip(reply[::2], reply[1::2], strict=True)
+            (name.decode() if isinstance(name, bytes) else name): (int(count), int(tokens), int(requests))
+            for name, count, tokens, requests in zip(
+                reply[::4], reply[1::4], reply[2::4], reply[3::4], strict=True
+            )
         }
         self._set_others(others)
 
-    def _set_others(self, others: dict[str, int]) -> None:
+    def _set_others(self, others: dict[str, tuple[int, int, int]]) -> None:
         for backend in self.pool:
-            backend.remote_in_flight = others.get(backend.name, 0)
-            self.link.metrics.others_in_flight.labels(backend.name).set(backend.remote_in_flight)
+            count, tokens, requests = others.get(backend.name, (0, 0, 0))
+            backend.remote_in_flight = count
+            backend.remote_pending_prefill_tokens = tokens
+            backend.remote_pending_prefill_requests = requests
+            self.link.metrics.others_in_flight.labels(backend.name).set(count)
 
     async def _run(self) -> None:
         while True:
@@ -101,7 +112,11 @@ class SharedLoad:
         with contextlib.suppress(RedisUnavailable):
             await self.link.call(
                 "load",
-                lambda: _LEAVE(self.link.client, [self.keys.replicas, self.keys.load], [self.id, *names]),
+                lambda: _LEAVE(
+                    self.link.client,
+                    [self.keys.replicas, self.keys.load, self.keys.prefill],
+                    [self.id, *names],
+                ),
                 self.config.background_timeout_ms / 1000,
             )
 

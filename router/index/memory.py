@@ -104,8 +104,23 @@ class MemoryIndex(PrefixIndex):
             self._forget(largest, block)
             self.evictions += 1
 
-    #: The engine took the prompt (see the belief lifecycle in router/index/base.py): believe it.
-    accepted = record
+    def picked(self, backend: str, chain: Sequence[int]) -> None:
+        """Believed at the pick (see the belief lifecycle in router/index/base.py), as the
+        simulator and SGLang's router do: a request sharing the prefix that arrives while this
+        one's prefill runs, or while the router's event loop is late with its first byte, finds
+        it where it went."""
+        self.record(backend, chain)
+
+    def failed(self, backend: str, chain: Sequence[int]) -> None:
+        """The pick fell through before the engine took the prompt: no request may follow it
+        there. The whole chain is dropped from ``backend``'s beliefs, the part it held before
+        too: after a failure its cache is in doubt, and a miss costs less than a second failure."""
+        blocks = self._backends.get(backend)
+        if blocks is None:
+            return
+        for block in chain:
+            if blocks.discard(block):
+                self._forget(backend, block)
 
     def _expire(self) -> None:
         """Drop beliefs that time alone made stale (time-based eviction) before answering a match."""

@@ -13,6 +13,10 @@ Key layout under a namespace ``ns`` (every key carries the hash tag ``{ns}``, se
                             ``ttl`` eviction policy: which touches are older than its ttl.
 ``{ns}:replicas``           ZSET  router replica id -> last publish time (ms, server clock).
 ``{ns}:load``               HASH  "<replica id>/<backend>" -> that replica's in-flight count.
+``{ns}:prefill``            HASH  "<replica id>/<backend>" -> "<tokens> <requests>": that
+                            replica's pending prefill there (requests without a first byte).
+                            A separate key, so that a replica of an older version, which
+                            reads only ``load``, keeps working beside this one in a rollout.
 
 Why no per-block key ("which backends hold block b"): a lookup asks each candidate's ZSET
 for the chain's blocks in order and stops, per backend, at its first miss; its cost is
@@ -179,47 +183,79 @@ return evicted
 """
 )
 
-#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH. ARGV: replica id, ttl_ms, the number
-#: of backends this replica dropped since its last call and their names, then (backend,
-#: in-flight) pairs of this replica. Publishes them and returns the other live replicas'
-#: sums as {backend1, sum1, ...}; fields of replicas silent for ttl_ms are deleted.
+#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH; KEYS[3]: the prefill HASH. ARGV:
+#: replica id, ttl_ms, the number of backends this replica dropped since its last call and
+#: their names, then (backend, in-flight, pending prefill tokens, pending prefill requests)
+#: of this replica. Publishes them and returns the other live replicas' sums as
+#: {backend1, in-flight1, tokens1, requests1, ...}; fields of replicas silent for ttl_ms
+#: are deleted from both hashes.
 LOAD = """
 local id, ttl, dropped = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
 redis.call('ZADD', KEYS[1], now, id)
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
-for i = 4, 3 + dropped do redis.call('HDEL', KEYS[2], id .. '/' .. ARGV[i]) end
-for i = 4 + dropped, #ARGV, 2 do redis.call('HSET', KEYS[2], id .. '/' .. ARGV[i], ARGV[i + 1]) end
+for i = 4, 3 + dropped do
+  redis.call('HDEL', KEYS[2], id .. '/' .. ARGV[i])
+  redis.call('HDEL', KEYS[3], id .. '/' .. ARGV[i])
+end
+for i = 4 + dropped, #ARGV, 4 do
+  local field = id .. '/' .. ARGV[i]
+  redis.call('HSET', KEYS[2], field, ARGV[i + 1])
+  redis.call('HSET', KEYS[3], field, ARGV[i + 2] .. ' ' .. ARGV[i + 3])
+end
 local live = {}
 for _, replica in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do live[replica] = true end
-local sums, dead = {}, {}
-local fields = redis.call('HGETALL', KEYS[2])
-for i = 1, #fields, 2 do
-  local sep = string.find(fields[i], '/', 1, true)
-  local replica, backend = string.sub(fields[i], 1, sep - 1), string.sub(fields[i], sep + 1)
-  if not live[replica] then
-    dead[#dead + 1] = fields[i]
-  elseif replica ~= id then
-    sums[backend] = (sums[backend] or 0) + tonumber(fields[i + 1])
+local sums = {}
+local function add(backend, slot, value)
+  local sum = sums[backend]
+  if not sum then
+    sum = {0, 0, 0}
+    sums[backend] = sum
   end
+  sum[slot] = sum[slot] + (tonumber(value) or 0)
 end
-for i = 1, #dead, 1000 do redis.call('HDEL', KEYS[2], unpack(dead, i, math.min(i + 999, #dead))) end
+for k = 2, 3 do
+  local dead = {}
+  local fields = redis.call('HGETALL', KEYS[k])
+  for i = 1, #fields, 2 do
+    local sep = string.find(fields[i], '/', 1, true)
+    local replica, backend = string.sub(fields[i], 1, sep - 1), string.sub(fields[i], sep + 1)
+    if not live[replica] then
+      dead[#dead + 1] = fields[i]
+    elseif replica ~= id then
+      if k == 2 then
+        add(backend, 1, fields[i + 1])
+      else
+        local tokens, requests = string.match(fields[i + 1], '^(%d+) (%d+)$')
+        add(backend, 2, tokens)
+        add(backend, 3, requests)
+      end
+    end
+  end
+  for i = 1, #dead, 1000 do redis.call('HDEL', KEYS[k], unpack(dead, i, math.min(i + 999, #dead))) end
+  redis.call('PEXPIRE', KEYS[k], ttl)
+end
 redis.call('PEXPIRE', KEYS[1], ttl)
-redis.call('PEXPIRE', KEYS[2], ttl)
 local out = {}
 for backend, sum in pairs(sums) do
   out[#out + 1] = backend
-  out[#out + 1] = sum
+  out[#out + 1] = sum[1]
+  out[#out + 1] = sum[2]
+  out[#out + 1] = sum[3]
 end
 return out
 """
 
-#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH. ARGV: replica id, backends.
-#: A replica that stops cleanly withdraws its counts at once instead of after the TTL.
+#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH; KEYS[3]: the prefill HASH. ARGV:
+#: replica id, backends. A replica that stops cleanly withdraws its counts at once instead
+#: of after the TTL.
 LEAVE = """
 redis.call('ZREM', KEYS[1], ARGV[1])
-for i = 2, #ARGV do redis.call('HDEL', KEYS[2], ARGV[1] .. '/' .. ARGV[i]) end
+for i = 2, #ARGV do
+  redis.call('HDEL', KEYS[2], ARGV[1] .. '/' .. ARGV[i])
+  redis.call('HDEL', KEYS[3], ARGV[1] .. '/' .. ARGV[i])
+end
 return 0
 """
 
@@ -251,6 +287,7 @@ class Keys:
         self.epochs = self.prefix + "epochs"
         self.replicas = self.prefix + "replicas"
         self.load = self.prefix + "load"
+        self.prefill = self.prefix + "prefill"
 
     def blocks(self, backend: str) -> str:
         return f"{self.prefix}blocks:{backend}"

@@ -153,9 +153,21 @@ class RedisIndex(PrefixIndex):
         self._pending.append((backend, chain))
         self._notify()
 
-    #: The engine took the prompt (see the belief lifecycle in router/index/base.py): believe it,
-    #: here and, through the write queue, in Redis.
-    accepted = record
+    def picked(self, backend: str, chain: Sequence[int]) -> None:
+        """Believed at the pick, here and (the write queue drains at once) in Redis: the other
+        replicas learn where a new prefix went while its prefill runs, not after it.
+
+        Waiting for the engine's answer (as the memory index does) costs one router nothing,
+        since it sees its own burst; but a burst sharing a new prefix that arrives across N
+        replicas during that prefill would spread over N engines before any replica told the
+        others. A pick that then fails before the engine took the prompt leaves its belief to
+        capacity eviction (and the closed loop, when on): rare, and only ever a cache miss.
+        """
+        self.record(backend, chain)
+
+    def failed(self, backend: str, chain: Sequence[int]) -> None:
+        """Withdrawn from the local mirror; the shared belief is left to eviction (see ``picked``)."""
+        self.local.failed(backend, chain)
 
     def _notify(self) -> None:
         if self._wake is not None:

@@ -112,6 +112,7 @@ class Attempt:
         "_learner",
         "_matched_tokens",
         "_prefill",
+        "_prefilling",
         "_reports_cache",
         "_routable",
         "_scan",
@@ -218,7 +219,10 @@ class Attempt:
         backend.in_flight += 1
         self._trial = backend.circuit.begin()
         self._prefill = max(0, pending)
+        # The decode side of a prefill/decode pair runs no prefill: it joins the batch at once.
+        self._prefilling = side is None or side.prefill
         backend.pending_prefill_tokens += self._prefill
+        backend.pending_prefill_requests += self._prefilling
 
     def __enter__(self) -> Attempt:
         return self
@@ -297,8 +301,10 @@ class Attempt:
             self._index.failed(self.backend.name, self._chain)
 
     def _release_prefill(self) -> None:
-        self.backend.pending_prefill_tokens -= self._prefill
-        self._prefill = 0
+        if self._prefilling:
+            self.backend.pending_prefill_tokens -= self._prefill
+            self.backend.pending_prefill_requests -= 1
+            self._prefill, self._prefilling = 0, False
 
     def _end(self) -> None:
         """Give every ledger back, once, after the verdict above was booked."""

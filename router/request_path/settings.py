@@ -28,7 +28,7 @@ class RoutingConfig:
     """
 
     #: A built-in policy's name, or a user's own as ``module:Class``.
-    policy: NonEmptyStr = "prefix_aware"
+    policy: NonEmptyStr = "latency"
     #: The policy's own parameters, checked against its ``Params`` (docs/policies.md).
     params: dict[str, Any] = field(default_factory=dict)
     #: Seed for the policy's tie-breaking; null draws one at start.

@@ -1,0 +1,123 @@
+"""Latency: the backend where the request's whole latency, and what it adds to others', is least.
+
+``cost`` estimates time to first token: the prefill queued ahead and the request's own
+uncached prefill. What it never sees is the decode. Every request added to an engine's
+running batch makes each decode step of that engine longer, for every request there, for as
+long as it decodes; and it decodes itself at the pace of that batch. On a fleet where a few
+long shared prefixes carry most of the traffic, a cache hit of several thousand tokens
+outweighs dozens of queued requests in a TTFT estimate, so each prefix's traffic lands on
+the one engine that holds it: that engine's batch grows, every token there slows, and the
+engines that hold nothing sit idle (issue 20 measured one engine at 0.41 of the traffic and
+two of eight idle, as SGLang's ``cache_aware`` does).
+
+So the estimate here, in prefill-token equivalents (one token of prefill is the unit of time), is::
+
+    cost = uncached prompt tokens                      # its own prefill
+         + queue_weight x pending prefill tokens       # the prefill queued ahead of it
+         + decode_weight x output x outstanding        # the batch slowdown it suffers and causes
+
+``output`` is the request's ``max_tokens`` capped at ``output_cap`` (``default_output`` when
+it gave none): the steps it will spend in that batch. ``decode_weight`` is the prefill
+tokens one more member of a decode batch costs per step, counted twice (once for the
+request, slowed by everyone there, and once for everyone there, slowed by it): on a GPU the
+per-sequence share of a decode step is a few times the time of one prefill token (the KV
+of every sequence is read each step), and in the simulated engines it is five
+(``decode_per_seq_s / prefill_per_token_s``).
+
+A hot prefix's traffic therefore goes to its holder only until the holder's batch costs more
+than the prefix's prefill elsewhere; then it spills, and the engine it spills to holds the
+prefix too from then on (hot prefixes are replicated where their load demands it, which a
+cache-only rule never does). Ties go to the backend whose cache holds the least (a new prefix
+displaces the least there), then at random. With no reuse in the traffic the estimate is
+pending prefill plus batch load, which balances at least as well as least load.
+
+The defaults were tuned with ``kvroute simulate`` on the workloads of
+:mod:`loadtest.workloads` and the Mooncake trace, and confirmed live against SGLang's router
+(docs/benchmarks/2026-12-05-routing.md).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from policies.params import NonNegativeFloat, PositiveFloat, PositiveInt
+from policies.routing.base import RoutingPolicy
+from policies.scoring import match_reason
+from policies.types import BackendView, Decision, RequestView
+
+
+@dataclass(frozen=True)
+class LatencyParams:
+    #: Weight of the prefill already pending on a backend (sent, no first byte yet).
+    queue_weight: NonNegativeFloat = 0.1
+    #: Prefill tokens one outstanding request is worth, whatever its phase (as in ``cost``).
+    load_tokens: NonNegativeFloat = 64.0
+    #: Prefill tokens one more member of a decode batch costs per output token (own + imposed).
+    decode_weight: NonNegativeFloat = 1.0
+    #: How much a prefix's recent reuse discounts copying it: the gap's cost is divided by
+    #: ``1 + reuse_weight x reuse`` (0 turns replication off).
+    reuse_weight: NonNegativeFloat = 3.0
+    #: Half-life of a prefix's reuse count, in routed requests.
+    reuse_half_life: PositiveFloat = 256.0
+    #: Prefixes whose reuse is remembered (least recently reused forgotten first).
+    reuse_entries: PositiveInt = 65536
+    #: Output tokens assumed for a request without ``max_tokens``.
+    default_output: PositiveInt = 256
+    #: Output tokens counted at most: a generous ``max_tokens`` is a cap, not a length.
+    output_cap: PositiveInt = 1024
+
+
+class Latency(RoutingPolicy):
+    name = "latency"
+    Params = LatencyParams
+    uses_prefix_match = True
+    params: LatencyParams
+
+    def __init__(self, *args, **kwargs) -> None:  # type: ignore[no-untyped-def]
+        super().__init__(*args, **kwargs)
+        #: Deepest-match block -> (decayed count of requests whose deepest match ended there, at).
+        self._reuse: OrderedDict[int, tuple[float, int]] = OrderedDict()
+        self._routed = 0
+
+    def output_tokens(self, request: RequestView) -> int:
+        """The decode steps ``request`` is expected to spend in a batch."""
+        wanted = request.max_tokens if request.max_tokens is not None else self.params.default_output
+        return min(wanted, self.params.output_cap)
+
+    def reuse(self, block: int) -> float:
+        """Requests that recently had their deepest match end at ``block`` (decayed)."""
+        count, at = self._reuse.get(block, (0.0, self._routed))
+        return count * 0.5 ** ((self._routed - at) / self.params.reuse_half_life)
+
+    def _count(self, block: int) -> None:
+        self._reuse[block] = (self.reuse(block) + 1.0, self._routed)
+        self._reuse.move_to_end(block)
+        if len(self._reuse) > self.params.reuse_entries:
+            self._reuse.popitem(last=False)
+
+    def cost(self, request: RequestView, backend: BackendView, deepest: int, discount: float) -> float:
+        """Latency ``request`` costs on ``backend`` (its own and others'), in prefill-token equivalents.
+
+        Only what differs between backends counts: the part of the deepest match this backend
+        lacks (discounted when that prefix is being reused: a copy made now serves the next
+        ones too), the prefill queued there, and its load.
+        """
+        p = self.params
+        gap = (deepest - backend.matched_blocks) * request.block_tokens * discount
+        queued = p.queue_weight * backend.pending_prefill_tokens
+        batch = p.decode_weight * self.output_tokens(request) * backend.decoding
+        return gap + queued + batch + p.load_tokens * backend.load
+
+    def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
+        deepest = max(b.matched_blocks for b in backends)
+        discount = 1.0
+        if deepest and request.chain:
+            block = request.chain[deepest - 1]
+            discount = 1.0 / (1.0 + self.params.reuse_weight * self.reuse(block))
+            self._count(block)
+        self._routed += 1
+        costs = {b.name: self.cost(request, b, deepest, discount) for b in backends}
+        chosen = self.pick_min(backends, lambda b: (costs[b.name], b.cached_blocks))
+        return Decision(chosen.name, match_reason("latency", chosen, backends), chosen.matched_blocks)
