@@ -7,10 +7,11 @@ Two vLLM replicas (``loadtest.vllm_replicas``; the machine holds no more) with s
 so that where a prompt goes decides whether its prefix is still cached; the shipped Mooncake
 conversation trace, scaled down (each 512-token trace block becomes ``512 / --scale`` tokens'
 worth of text, outputs capped), replayed at its compressed arrival times through each contender:
-kvroute with ``round_robin``, ``least_load`` and its default policy (``prefix_aware``), optionally
-kvroute in precise mode, and SGLang's router (``sglang-router``, ``cache_aware``). Between
-contenders the engines' prefix caches are reset (``POST /reset_prefix_cache``, a dev endpoint:
-the replicas run with ``VLLM_SERVER_DEV_MODE=1``), so each starts cold.
+kvroute with ``round_robin``, ``least_load``, ``prefix_aware`` and its default policy
+(``latency``), optionally kvroute in precise mode, and SGLang's router (``sglang-router``,
+``cache_aware``). Between contenders the engines' prefix caches are reset
+(``POST /reset_prefix_cache``, a dev endpoint: the replicas run with ``VLLM_SERVER_DEV_MODE=1``),
+so each starts cold.
 
 The figures are the engines' own: the prefix-cache hit ratio is the growth of
 ``vllm:prefix_cache_hits_total`` over ``vllm:prefix_cache_queries_total`` during the run,
@@ -57,8 +58,10 @@ KVROUTE = {
     "least_load": ("{policy: least_load, seed: 1}", "{}"),
     "prefix_aware": ("{policy: prefix_aware, seed: 1}", "{}"),
     "prefix_aware+events": ("{policy: prefix_aware, seed: 1}", None),
+    "latency": ("{policy: latency, seed: 1}", "{}"),
+    "latency+events": ("{policy: latency, seed: 1}", None),
 }
-DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "sglang")
+DEFAULT_CONTENDERS = ("round_robin", "least_load", "latency", "sglang")
 #: Common words, each one token of the tiny model's BPE (trained on kvroute's own text): a trace
 #: block becomes as many of them as it has tokens, so prompt lengths come out as the trace scales
 #: them (the simulated engines' ``<blk …>`` stamps cost that tokenizer about one token a character).
