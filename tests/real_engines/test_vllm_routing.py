@@ -87,7 +87,7 @@ async def test_precise_routing_learns_traffic_that_bypassed_the_router(
     await conversation.turn(direct)
     await wait_for(lambda: index.blocks_of("e1") > 0, what="e1's events applied")
     routed = await conversation.turn(openai_client.with_options(base_url=f"{router.url}/v1"))
-    assert routed.backend == "e1" and routed.reason == "prefix_hit"
+    assert routed.backend == "e1" and routed.reason == "latency_hit"
     assert routed.matched == routed.cached > 0
 
 
