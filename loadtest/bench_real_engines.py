@@ -41,6 +41,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from loadtest.bench_routing import wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table, percentile, ratio
 from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (
@@ -312,16 +313,23 @@ def print_report(rows: Sequence[Row]) -> None:
     print(format_table(heads, ratios))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kvroute bench real-engines", description=__doc__.split("\n")[0])
-    parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE)
-    parser.add_argument("--minutes", type=float, default=0.5, help="trace minutes to replay (default 0.5)")
-    parser.add_argument("--speedup", type=float, default=0.5, help="time compression (default 0.5)")
-    parser.add_argument("--scale", type=int, default=16, help="trace tokens per benchmark token (default 16)")
-    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt cap (default 1024)")
-    parser.add_argument("--max-output-tokens", type=int, default=16, help="output cap (default 16)")
-    parser.add_argument("--sample", type=int, default=1, help="keep one conversation in N (default 1: all)")
-    parser.add_argument("--kv-cache-mib", type=int, default=8, help="each replica's KV cache (default 8 MiB)")
+def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.bench_real_engines") -> int:
+    parser = argparse.ArgumentParser(
+        prog=prog, formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n")[0]
+    )
+    parser.add_argument(
+        "--trace",
+        type=Path,
+        default=DEFAULT_TRACE,
+        help="Mooncake-format trace (the default is the one kvroute ships)",
+    )
+    parser.add_argument("--minutes", type=float, default=0.5, help="trace minutes to replay")
+    parser.add_argument("--speedup", type=float, default=0.5, help="time compression")
+    parser.add_argument("--scale", type=int, default=16, help="trace tokens per benchmark token")
+    parser.add_argument("--max-prompt-tokens", type=int, default=1024, help="prompt cap")
+    parser.add_argument("--max-output-tokens", type=int, default=16, help="output cap")
+    parser.add_argument("--sample", type=int, default=1, help="keep one conversation in N")
+    parser.add_argument("--kv-cache-mib", type=int, default=8, help="each replica's KV cache")
     parser.add_argument(
         "--contenders",
         default=",".join(DEFAULT_CONTENDERS),

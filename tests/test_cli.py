@@ -355,7 +355,11 @@ def test_every_commands_help_shows_its_defaults():
     assert "(default: 1)" in help_of("serve") and "(a file without one: latency)" in help_of("serve")
     assert "conversation_trace.jsonl.gz)" in help_of("simulate")
     assert "(default: 96)" in help_of("demo")
-    for benchmark, default in (("overhead", "(default: 200.0)"), ("routing", "(default: 10.0)")):
+    for benchmark, default in (
+        ("overhead", "(default: 200.0)"),
+        ("routing", "(default: 10.0)"),
+        ("real-engines", "(default: 0.5)"),
+    ):
         text = help_of("bench", benchmark)
         assert text.startswith(f"usage: kvroute bench {benchmark} ")
         assert default in text and "(default: None)" not in text
