@@ -21,10 +21,13 @@ from loadtest.sim.timing import EngineTiming
 from loadtest.workload import Conversation, chat_workload
 from router.config import config_from_dict
 from router.http.server import RouterServer
+from router.request_path.settings import RoutingConfig
 
 MODEL = "sim-model"
 ENGINES = 4
-POLICIES = ("round_robin", "prefix_aware")
+#: Round robin against the policy a config gets when it names none, so the demo shows the default.
+DEFAULT_POLICY = RoutingConfig().policy
+POLICIES = ("round_robin", DEFAULT_POLICY)
 #: Engines whose KV cache holds about a quarter of the workload's live conversations: where a
 #: conversation's turns land then decides whether its history is still cached.
 DEMO_TIMING = EngineTiming(kv_blocks=1024)
@@ -115,9 +118,9 @@ async def run_demo(conversations: int = 96, seed: int = 7, concurrency: int = 24
             ["policy", "ok", "failed", "hit ratio", "TTFT p50", "TTFT p99", "wall", "backend share"], rows
         )
     )
-    rr, pa = summaries["round_robin"], summaries["prefix_aware"]
+    rr, pa = summaries["round_robin"], summaries[DEFAULT_POLICY]
     print(
-        f"\nprefix_aware vs round_robin: hit ratio {pa.hit_ratio / max(rr.hit_ratio, 1e-9):.1f}x, "
+        f"\n{DEFAULT_POLICY} vs round_robin: hit ratio {pa.hit_ratio / max(rr.hit_ratio, 1e-9):.1f}x, "
         f"TTFT p50 {pa.ttft_p50 / rr.ttft_p50:.2f}x, TTFT p99 {pa.ttft_p99 / rr.ttft_p99:.2f}x"
     )
     return 0 if rr.failed == pa.failed == 0 else 1
