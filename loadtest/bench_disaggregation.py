@@ -44,7 +44,7 @@ import aiohttp
 from loadtest.bench_routing import _consecutive_free_ports, _kvroute_bin, start_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port
-from loadtest.report import format_table, percentile
+from loadtest.report import busiest_share, format_table, mean, percentile, ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import DEFAULT_TRACE, prompt_messages, read_trace
 from loadtest.workload import chat_workload
@@ -272,11 +272,6 @@ class Figures:
     decode_share: float
 
 
-def _share(counts: Sequence[int]) -> float:
-    total = sum(counts)
-    return max(counts) * len(counts) / total if total else math.nan
-
-
 def figures(row: Row) -> Figures:
     good = [(r, j) for r, j in zip(row.results, row.jobs, strict=True) if r.ok]
     ttfts = [r.ttft for r, _ in good if r.ttft is not None]
@@ -291,18 +286,14 @@ def figures(row: Row) -> Figures:
         ok=len(good),
         failed=len(row.results) - len(good),
         hit_ratio=sum(s["cached_tokens"] for s in prefilling) / prompt if prompt else math.nan,
-        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_mean=mean(ttfts),
         ttft_p99=percentile(ttfts, 0.99),
-        itl_mean=sum(itls) / len(itls) if itls else math.nan,
+        itl_mean=mean(itls),
         e2e_p50=percentile(latencies, 0.5),
         e2e_p99=percentile(latencies, 0.99),
-        prefill_share=_share([s["received"] for s in prefilling]),
-        decode_share=_share([s["received"] for s in decoding]),
+        prefill_share=busiest_share([s["received"] for s in prefilling]),
+        decode_share=busiest_share([s["received"] for s in decoding]),
     )
-
-
-def _ratio(a: float, b: float) -> str:
-    return f"{a / b:.2f}x" if b and not math.isnan(a) and not math.isnan(b) else "-"
 
 
 def print_report(rows: Sequence[Row]) -> None:
@@ -347,10 +338,10 @@ def print_report(rows: Sequence[Row]) -> None:
         ratios = [
             [
                 name,
-                _ratio(f.hit_ratio, sgl.hit_ratio),
-                _ratio(f.ttft_mean, sgl.ttft_mean),
-                _ratio(f.itl_mean, sgl.itl_mean),
-                _ratio(f.e2e_p50, sgl.e2e_p50),
+                ratio(f.hit_ratio, sgl.hit_ratio),
+                ratio(f.ttft_mean, sgl.ttft_mean),
+                ratio(f.itl_mean, sgl.itl_mean),
+                ratio(f.e2e_p50, sgl.e2e_p50),
             ]
             for name, f in figs.items()
         ]

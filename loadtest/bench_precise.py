@@ -56,7 +56,7 @@ import orjson
 
 from loadtest.bench_routing import Bench, load_requests
 from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, cpu_seconds, free_port, sglang, wait_listening
-from loadtest.report import format_table, percentile, ratio
+from loadtest.report import format_table, mean, percentile, ratio
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_text
@@ -319,7 +319,7 @@ def figures(outcomes: Sequence[Outcome]) -> Figures:
         routed=len(routed),
         failed=len(routed) - len(good),
         hit_ratio=sum(o.cached_tokens for o in good) / prompt if prompt else math.nan,
-        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_mean=mean(ttfts),
         ttft_p50=percentile(ttfts, 0.5),
         ttft_p99=percentile(ttfts, 0.99),
         accuracy=agree / span if span else math.nan,

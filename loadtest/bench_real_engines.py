@@ -42,7 +42,7 @@ from loadtest.bench_routing import wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
-from loadtest.report import format_table, percentile, ratio
+from loadtest.report import format_table, mean, percentile, ratio
 from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (
     BLOCK_SIZE,
@@ -244,10 +244,10 @@ def figures(row: Row) -> Figures:
         ok=len(good),
         failed=len(row.results) - len(good),
         hit_ratio=row.hits / row.queries if row.queries else math.nan,
-        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_mean=mean(ttfts),
         ttft_p50=percentile(ttfts, 0.5),
         ttft_p99=percentile(ttfts, 0.99),
-        e2e_mean=sum(latencies) / len(latencies) if latencies else math.nan,
+        e2e_mean=mean(latencies),
         e2e_p50=percentile(latencies, 0.5),
     )
 

@@ -18,6 +18,17 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, max(0, math.ceil(q * len(ordered)) - 1))]
 
 
+def mean(values: Sequence[float]) -> float:
+    """The arithmetic mean; NaN for no values (a benchmark prints it as such, never a made-up 0)."""
+    return sum(values) / len(values) if values else math.nan
+
+
+def busiest_share(counts: Sequence[int]) -> float:
+    """The busiest engine's share of requests over the mean share (1.0: perfectly even)."""
+    total = sum(counts)
+    return max(counts) * len(counts) / total if total else math.nan
+
+
 @dataclass(frozen=True)
 class Summary:
     ok: int
@@ -40,7 +51,7 @@ def summarize(results: Sequence[Result]) -> Summary:
         ok=len(good),
         failed=len(results) - len(good),
         hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
-        ttft_mean=sum(ttfts) / len(ttfts) if ttfts else math.nan,
+        ttft_mean=mean(ttfts),
         ttft_p50=percentile(ttfts, 0.50),
         ttft_p99=percentile(ttfts, 0.99),
         share={name: n / len(good) for name, n in sorted(counts.items())},
