@@ -44,6 +44,7 @@ import aiohttp
 from loadtest.bench_routing import _consecutive_free_ports, _kvroute_bin, start_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port
+from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import busiest_share, format_table, mean, percentile, ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import DEFAULT_TRACE, prompt_messages, read_trace
@@ -349,20 +350,22 @@ def print_report(rows: Sequence[Row]) -> None:
 
 
 def main(argv: Sequence[str] | None = None, prog: str = "kvroute bench routing") -> int:
-    parser = argparse.ArgumentParser(prog=f"{prog} --pd P,D", description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(
+        prog=f"{prog} --pd P,D", formatter_class=DefaultsHelpFormatter, description=__doc__.split("\n")[0]
+    )
     parser.add_argument("--pd", required=True, help="prefill and decode engines, e.g. 4,4")
     parser.add_argument("--workload", choices=("trace", "chat"), default="trace")
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace")
-    parser.add_argument("--minutes", type=float, default=3.0, help="trace minutes to replay (default 3)")
-    parser.add_argument("--speedup", type=float, default=10.0, help="trace time compression (default 10)")
-    parser.add_argument("--max-output-tokens", type=int, default=64, help="cap on trace outputs (default 64)")
-    parser.add_argument("--conversations", type=int, default=120, help="chat: conversations (default 120)")
+    parser.add_argument("--minutes", type=float, default=3.0, help="trace minutes to replay")
+    parser.add_argument("--speedup", type=float, default=10.0, help="trace time compression")
+    parser.add_argument("--max-output-tokens", type=int, default=64, help="cap on trace outputs")
+    parser.add_argument("--conversations", type=int, default=120, help="chat: conversations")
     parser.add_argument("--rate", type=float, default=4.0, help="chat: conversations started per second")
     parser.add_argument("--think-s", type=float, default=2.0, help="chat: mean seconds between turns")
-    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine (default 1M)")
-    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated (default: all)")
+    parser.add_argument("--capacity", type=int, default=1_000_000, help="KV tokens per engine")
+    parser.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated")
     parser.add_argument(
-        "--rounds", type=int, default=1, help="runs of every contender, in rotating order, pooled (default 1)"
+        "--rounds", type=int, default=1, help="runs of every contender, in rotating order, pooled"
     )
     args = parser.parse_args(argv)
     try:
