@@ -51,7 +51,7 @@ from policies.types import BackendView, Decision, RequestView
 @dataclass(frozen=True)
 class LatencyParams:
     #: Weight of the prefill already pending on a backend (sent, no first byte yet).
-    queue_weight: NonNegativeFloat = 0.1
+    queue_weight: NonNegativeFloat = 0.06
     #: Prefill tokens one outstanding request is worth, whatever its phase (as in ``cost``).
     load_tokens: NonNegativeFloat = 64.0
     #: Prefill tokens one more member of a decode batch costs per output token (own + imposed).
