@@ -11,6 +11,8 @@ streaming) against a fresh simulated fleet for each contender, each router a rea
   (b) one router, Redis store             what Redis costs one router
   (c) N replicas sharing one Redis        the point of this feature
   (d) N replicas, each its own memory     what replicas lose without it
+  (e) N replicas, lookups local, synced   each its own copy of the index, kept in step over a
+      over a Redis stream                 Redis stream (index.redis.lookup: local)
 
 Requests go to the replicas round robin, as a Kubernetes Service would spread them. The
 table gives the engines' hit ratio (engine-reported cached prompt tokens / prompt tokens),
@@ -67,6 +69,8 @@ class Contender:
     label: str
     replicas: int
     store: str
+    #: ``index.redis.lookup`` of a Redis contender: shared (a round trip a lookup) or local.
+    lookup: str = "shared"
 
 
 @dataclass
@@ -114,7 +118,12 @@ def routers(
             port = free_port()
             index: dict = {"store": contender.store, "backend_capacity_blocks": capacity_blocks}
             if contender.store == "redis":
-                index["redis"] = {"url": redis_url, "namespace": contender.label, **redis_options}
+                index["redis"] = {
+                    "url": redis_url,
+                    "namespace": contender.label,
+                    "lookup": contender.lookup,
+                    **redis_options,
+                }
             config = {
                 "listen": {"host": "127.0.0.1", "port": port},
                 "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
@@ -285,10 +294,15 @@ async def run_contender(
 
 
 def redis_memory(server: RedisServer, namespace: str, baseline: int) -> tuple[int, int, int]:
-    """(entries, MEMORY USAGE of the namespace's block ZSETs, used_memory above ``baseline``)."""
+    """(entries, MEMORY USAGE of the namespace's block ZSETs or belief stream, used_memory above
+    ``baseline``); entries are (backend, block) pairs in the ZSETs, batches in the stream."""
     client = server.client()
     keys = list(client.scan_iter(f"{{{namespace}}}:blocks:*"))
     entries = sum(client.zcard(k) for k in keys)
+    stream = f"{{{namespace}}}:beliefs"
+    if client.exists(stream):
+        keys.append(stream)
+        entries += client.xlen(stream)
     usage = sum(client.memory_usage(k, samples=0) or 0 for k in keys)
     return entries, usage, client.info("memory")["used_memory"] - baseline
 
@@ -335,6 +349,7 @@ async def main_async(args: argparse.Namespace) -> int:
         Contender("b_one_redis", 1, "redis"),
         Contender(f"c_{args.replicas}_shared_redis", args.replicas, "redis"),
         Contender(f"d_{args.replicas}_own_memory", args.replicas, "memory"),
+        Contender(f"e_{args.replicas}_synced_redis", args.replicas, "redis", lookup="local"),
     ]
     contenders = [c for c in contenders if c.label[0] in args.contenders]
     span = trace[-1].arrival_s - trace[0].arrival_s
@@ -437,7 +452,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--requests", type=int, default=300, help="first N requests of the trace")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression of the arrivals")
     parser.add_argument("--engines", type=int, default=4)
-    parser.add_argument("--replicas", type=int, default=4, help="router replicas in (c) and (d)")
+    parser.add_argument("--replicas", type=int, default=4, help="router replicas in (c), (d) and (e)")
     parser.add_argument("--kv-blocks", type=int, default=65536, help="KV blocks of 16 tokens per engine")
     parser.add_argument("--prefill-per-token-s", type=float, default=4e-6, help="simulated uncached prefill")
     parser.add_argument("--max-tokens", type=int, default=16, help="cap on each request's output tokens")
@@ -450,7 +465,9 @@ def build_parser() -> argparse.ArgumentParser:
         help="the routers' index.redis.write_batch_blocks (default: its default)",
     )
     parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
-    parser.add_argument("--contenders", default="abcd", help="which of (a)-(d) to run; (a) is the reference")
+    parser.add_argument(
+        "--contenders", default="abcde", help="which of (a)-(e) to run; (a) is the reference"
+    )
     parser.add_argument(
         "--nice",
         type=int,

@@ -369,6 +369,11 @@ class RedisMetrics:
             ["reason"],
             registry=r,
         )
+        self.peer_updates = Counter(
+            "kvroute_index_peer_updates",
+            "Beliefs taken from other router replicas over the Redis stream (index.redis.lookup: local)",
+            registry=r,
+        )
         self.others_in_flight = Gauge(
             "kvroute_backend_in_flight_others",
             "Requests in flight per backend from the other router replicas (the shared load view)",

@@ -19,26 +19,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
-import socket
 import time
-import uuid
 
 from router.fleet.backends import Backend, BackendPool
 from router.index.base import PrefixIndex
 from router.index.redis_scripts import LEAVE, LOAD, Keys, Script
 from router.index.redis_store import RedisIndex
+from router.index.redis_sync import SyncedIndex
 from router.redis.breaker import RedisLink, RedisUnavailable
+from router.redis.client import replica_id
 from router.tasks import stop_task
 
 _LOAD = Script(LOAD)
 _LEAVE = Script(LEAVE)
-
-
-def replica_id() -> str:
-    """Unique per process and start: host, pid and a random suffix (no '/', the field separator)."""
-    host = socket.gethostname().replace("/", "_")
-    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 class SharedLoad:
@@ -123,7 +116,7 @@ class SharedLoad:
 
 def start_shared_load(index: PrefixIndex, pool: BackendPool) -> SharedLoad | None:
     """The shared load view when the index lives in Redis with ``share_load`` on, started; else None."""
-    if not isinstance(index, RedisIndex) or not index.config.share_load:
+    if not isinstance(index, (RedisIndex, SyncedIndex)) or not index.config.share_load:
         return None
     shared = SharedLoad(index.link, pool)
     shared.start()

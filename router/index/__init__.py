@@ -11,6 +11,7 @@ _EXPORTS = {
     "MemoryIndex": "memory",
     "PreciseIndex": "precise",
     "RedisIndex": "redis_store",
+    "SyncedIndex": "redis_sync",
     "build_index": "build",
     "PrefixHasher": "keys",
     "chain_seed": "keys",

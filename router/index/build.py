@@ -8,13 +8,15 @@ from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis_store import build_redis_index
+from router.index.redis_sync import build_synced_index
 from router.metrics import RouterMetrics
 
 
 def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
     """``index.mode: events``: the precise index, fed by the engines' KV events (router/kv_events);
     else the memory index, wrapped by the Redis index with ``index.store: redis`` (the memory one
-    is then its local mirror, its view while Redis is not there). Every configured backend is
+    is then its local mirror, its view while Redis is not there), or kept in step with the other
+    replicas' over a Redis stream with ``index.redis.lookup: local``. Every configured backend is
     tracked from the start with its believed capacity."""
     index_config = config.index
     index: PrefixIndex
@@ -25,9 +27,12 @@ def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
         )
     else:
         block_sets = block_set_factory(index_config.eviction, ttl_s=index_config.ttl_s)
-        index = MemoryIndex(index_config.max_blocks, block_sets)
-        if index_config.store == "redis":
-            index = build_redis_index(index_config, index, metrics.registry)
+        if index_config.store == "redis" and index_config.redis.lookup == "local":
+            index = build_synced_index(index_config, block_sets, metrics.registry)
+        else:
+            index = MemoryIndex(index_config.max_blocks, block_sets)
+            if index_config.store == "redis":
+                index = build_redis_index(index_config, index, metrics.registry)
     for backend in config.backends:
         index.add_backend(backend.name, backend.capacity_blocks or index_config.backend_capacity_blocks)
     return index

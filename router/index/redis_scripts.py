@@ -288,6 +288,8 @@ class Keys:
         self.replicas = self.prefix + "replicas"
         self.load = self.prefix + "load"
         self.prefill = self.prefix + "prefill"
+        #: ``lookup: local``'s stream of belief batches (router.index.redis_sync).
+        self.beliefs = self.prefix + "beliefs"
 
     def blocks(self, backend: str) -> str:
         return f"{self.prefix}blocks:{backend}"

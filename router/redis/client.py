@@ -8,6 +8,8 @@ their own schedule. A failed call fails fast, and the index falls back to its lo
 from __future__ import annotations
 
 import os
+import socket
+import uuid
 from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
@@ -23,6 +25,13 @@ from router.redis.settings import RedisConfig
 
 #: What the index and load view talk to; both client kinds offer the commands they use.
 RedisClient = Redis | RedisCluster
+
+
+def replica_id() -> str:
+    """This process's name in shared state, unique per process and start: host, pid and a random
+    suffix (no '/', the load view's field separator)."""
+    host = socket.gethostname().replace("/", "_")
+    return f"{host}:{os.getpid()}:{uuid.uuid4().hex[:8]}"
 
 
 def resolve_password(config: RedisConfig) -> str | None:

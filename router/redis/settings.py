@@ -8,7 +8,7 @@ the fields (``policies.params``); the rules that tie fields together are in ``va
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 from urllib.parse import urlsplit
 
 import msgspec
@@ -55,6 +55,13 @@ class RedisConfig:
     tls_verify: bool = True
     #: Prefix of every key, so several deployments can share one Redis.
     namespace: Namespace = "kvroute"
+    #: Where lookups read. ``shared``: Redis, one round trip on the request path (the shared view
+    #: as it is now). ``local``: this router's own copy of the whole index, which every
+    #: replica's beliefs reach over a Redis stream within milliseconds: no Redis call on the
+    #: request path, a copy of the index in each replica's memory (docs/redis.md).
+    lookup: Literal["shared", "local"] = "shared"
+    #: With ``lookup: local``: belief batches the stream keeps; a starting replica replays them.
+    stream_length: PositiveInt = 10000
     #: Every key expires this long after its last write (a backend's beliefs: its last request).
     key_ttl_s: PositiveFloat = 3600.0
     #: Deadline of one lookup on the request path; past it the request routes on the local view.

@@ -1,0 +1,176 @@
+"""The memory index, kept in step across router replicas over a Redis stream (``lookup: local``).
+
+The shared Redis index (router.index.redis_store) answers each lookup with a round trip: on a
+busy router that is one more wait per request on the event loop, and on a small host the
+Lua script and redis-py's work per call cost more CPU than the rest of the routing decision.
+Here each replica keeps the whole index in its own memory and looks up there, as one router
+does; what it believes (at the pick, as the memory index does) it appends to one Redis
+stream, batched, and it applies what every other replica appended. A prefix one replica
+routes reaches the others' lookups one stream read later (milliseconds), so a burst sharing a
+new prefix, spread over the replicas, still lands on one engine.
+
+Each replica evicts by its own copy's capacity and eviction order: the replicas see the same
+beliefs in nearly the same order, so their copies agree closely, but not exactly (unlike the
+shared index's one set of ZSETs). A failed pick is withdrawn locally only and left to eviction
+elsewhere, as in the shared index. The stream keeps the last ``stream_length`` batches; a
+starting replica replays them, so it starts with the fleet's recent beliefs rather than none.
+
+Redis is never on the request path: while it is down, lookups go on as before and this
+replica's beliefs wait in the bounded write queue; the others' are missed until it is back.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import struct
+from collections import deque
+from collections.abc import Callable, Sequence
+from functools import partial
+
+import msgspec
+from prometheus_client import CollectorRegistry
+
+from policies.eviction import BlockSet, LRUBlocks
+from router.index.memory import MemoryIndex
+from router.index.redis_scripts import Keys, pack_chain
+from router.index.settings import IndexConfig
+from router.metrics import RedisMetrics
+from router.redis.breaker import RedisLink, RedisUnavailable
+from router.redis.client import build_client, replica_id
+from router.tasks import stop_task
+
+#: How long one stream read waits for new entries before it asks again (a blocking read).
+READ_BLOCK_MS = 200
+#: Most stream entries taken in one read.
+READ_COUNT = 256
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(list[tuple[str, bytes]]).decode
+
+
+def unpack_chain(packed: bytes) -> list[int]:
+    """The inverse of :func:`router.index.redis_scripts.pack_chain`."""
+    return list(struct.unpack(f">{len(packed) // 8}Q", packed))
+
+
+class SyncedIndex(MemoryIndex):
+    def __init__(
+        self, link: RedisLink, max_blocks: int, block_set: Callable[[int], BlockSet] = LRUBlocks
+    ) -> None:
+        super().__init__(max_blocks, block_set)
+        self.link = link
+        self.config = link.config
+        self.metrics = link.metrics
+        self.id = replica_id()
+        self.stream = Keys(self.config.namespace).beliefs
+        self._pending: deque[tuple[str, Sequence[int]]] = deque()
+        self._wake: asyncio.Event | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        self._wake = asyncio.Event()
+        if self._pending:
+            self._wake.set()
+        self._tasks = [
+            asyncio.create_task(self._write_loop(), name="kvroute-redis-sync-writer"),
+            asyncio.create_task(self._read_loop(), name="kvroute-redis-sync-reader"),
+        ]
+
+    def record(self, backend: str, chain: Sequence[int]) -> None:
+        """Believe it here at once, and queue it for the other replicas."""
+        super().record(backend, chain)
+        if not chain or backend not in self._backends:
+            return
+        if len(self._pending) >= self.config.write_queue_size:
+            self.metrics.dropped_updates.labels("queue_full").inc()
+            return
+        self._pending.append((backend, chain))
+        if self._wake is not None:
+            self._wake.set()
+
+    def apply(self, batch: bytes) -> int:
+        """Believe another replica's batch of beliefs here; how many were for known backends."""
+        applied = 0
+        for backend, packed in _decode(batch):
+            if backend in self._backends:
+                super().record(backend, unpack_chain(packed))
+                applied += 1
+        return applied
+
+    @property
+    def _background_timeout(self) -> float:
+        return self.config.background_timeout_ms / 1000
+
+    async def _write_loop(self) -> None:
+        assert self._wake is not None
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            while self._pending:
+                if not self.link.up:
+                    await asyncio.sleep(self.config.retry_interval_s)
+                    continue
+                await self._flush_once()
+
+    async def _flush_once(self) -> None:
+        """Append one batch of this replica's beliefs to the stream, in one round trip."""
+        batch = [self._pending.popleft()]
+        blocks = len(batch[0][1])
+        while self._pending and blocks + len(self._pending[0][1]) <= self.config.write_batch_blocks:
+            batch.append(self._pending.popleft())
+            blocks += len(batch[-1][1])
+        self.metrics.write_queue.set(len(self._pending))
+        fields = {"r": self.id, "b": _encode([(backend, pack_chain(chain)) for backend, chain in batch])}
+
+        async def append() -> None:
+            async with self.link.client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.stream, fields, maxlen=self.config.stream_length, approximate=True)
+                pipe.pexpire(self.stream, int(self.config.key_ttl_s * 1000))
+                await pipe.execute()
+
+        try:
+            await self.link.call("record", append, self._background_timeout)
+        except RedisUnavailable:
+            self.metrics.dropped_updates.labels("redis_unavailable").inc(len(batch))
+
+    async def _read_loop(self) -> None:
+        """Apply the other replicas' batches as they arrive, from the oldest the stream keeps.
+
+        After an outage the read resumes where it stopped; what the stream trimmed meanwhile
+        is missed, and only costs hits until those prefixes are routed again.
+        """
+        last = "0-0"
+        timeout = self._background_timeout + READ_BLOCK_MS / 1000
+        while True:
+            if not self.link.up:
+                await asyncio.sleep(self.config.retry_interval_s)
+                continue
+            read = partial(self.link.client.xread, {self.stream: last}, count=READ_COUNT, block=READ_BLOCK_MS)
+            try:
+                reply = await self.link.call("sync", read, timeout)
+            except RedisUnavailable:
+                await asyncio.sleep(self.config.retry_interval_s)
+                continue
+            for _stream, entries in reply or ():
+                for entry_id, fields in entries:
+                    last = entry_id
+                    if fields.get(b"r", b"").decode() != self.id:
+                        self.metrics.peer_updates.inc(self.apply(fields.get(b"b", b"\x90")))
+
+    async def close(self) -> None:
+        """Stop reading, append what is queued (bounded by the background deadline), disconnect."""
+        for task in self._tasks:
+            await stop_task(task)
+        self._tasks = []
+        while self.link.up and self._pending:
+            await self._flush_once()
+        await self.link.close()
+
+
+def build_synced_index(
+    index: IndexConfig, block_set: Callable[[int], BlockSet], registry: CollectorRegistry
+) -> SyncedIndex:
+    """The synced index of ``index.redis``, its link (breaker) and metrics in ``registry``."""
+    config = index.redis
+    link = RedisLink(build_client(config), config, RedisMetrics(registry))
+    return SyncedIndex(link, index.max_blocks, block_set)

@@ -1,0 +1,146 @@
+"""Routers with ``index.redis.lookup: local``: each looks up in its own copy of the index, which
+the other replicas' beliefs reach over a real Redis stream; Redis is never on the request path."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import aiohttp
+
+from loadtest.sim.fleet import SimFleet
+from router.config import config_from_dict
+from router.index.build import build_index
+from router.metrics import RouterMetrics
+from tests.helpers import FAST, backends_of, scrape, total, wait_for
+from tests.redis_servers import RedisServer
+from tests.test_redis_router import chat
+
+
+def synced_index(server: RedisServer, **redis: Any) -> dict[str, Any]:
+    redis = {"url": server.url, "lookup": "local", "retry_interval_s": 0.05, **redis}
+    return {"store": "redis", "redis": redis}
+
+
+async def peer_updates(http: aiohttp.ClientSession, url: str) -> float:
+    return total(await scrape(http, url), "kvroute_index_peer_updates_total")
+
+
+async def test_a_prefix_routed_by_one_replica_is_looked_up_locally_by_another(
+    redis_server, fleet, make_router, http
+):
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    two = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    first = await chat(http, one.url, "turn one")
+    backend = first.headers["x-kvroute-backend"]
+
+    async def taken() -> bool:
+        return await peer_updates(http, two.url) >= 1
+
+    await wait_for(taken, what="the second replica to take the first one's belief")
+    second = await chat(http, two.url, "turn two")
+    assert second.status == 200
+    assert second.headers["x-kvroute-backend"] == backend
+    assert second.headers["x-kvroute-reason"] == "latency_hit"
+    samples = await scrape(http, two.url)
+    assert total(samples, "kvroute_matched_tokens_total") > 0
+    # No round trip on the request path: nothing was asked of Redis to route either request.
+    assert total(samples, "kvroute_redis_latency_seconds_count", op="match") == 0
+    assert total(samples, "kvroute_redis_fallbacks_total") == 0
+    # Its own belief went out on the stream: the first replica took the second's.
+    await wait_for(lambda: peer_updates(http, one.url), what="the first replica to take the second's")
+
+
+async def test_a_burst_on_two_replicas_follows_the_first_pick_during_its_prefill(
+    redis_server, make_router, http
+):
+    """A replica learns where a new prefix went at the pick, not at the engine's first byte."""
+    async with SimFleet(3, timing=FAST.__class__(prefill_base_s=1.0)) as fleet:
+        routing = {"policy": "prefix_aware"}
+        one = await make_router(backends_of(fleet), index=synced_index(redis_server), routing=routing)
+        two = await make_router(backends_of(fleet), index=synced_index(redis_server), routing=routing)
+        first = asyncio.create_task(chat(http, one.url, "turn one"))
+
+        async def taken() -> bool:
+            return await peer_updates(http, two.url) >= 1
+
+        await wait_for(taken, what="the pick to reach the other replica", timeout=0.9)
+        assert not first.done()  # still in its one-second prefill
+        second = await chat(http, two.url, "turn two")
+        assert second.headers["x-kvroute-reason"] == "prefix_hit"
+        assert second.headers["x-kvroute-backend"] == (await first).headers["x-kvroute-backend"]
+
+
+async def test_a_starting_replica_replays_what_the_stream_keeps(redis_server, fleet, make_router, http):
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    backend = (await chat(http, one.url, "turn one")).headers["x-kvroute-backend"]
+    await wait_for(
+        lambda: redis_server.client().xlen("{kvroute}:beliefs") >= 1, what="the belief on the stream"
+    )
+    late = await make_router(backends_of(fleet), index=synced_index(redis_server))
+
+    async def replayed() -> bool:
+        return await peer_updates(http, late.url) >= 1
+
+    await wait_for(replayed, what="the late replica to replay the stream")
+    second = await chat(http, late.url, "turn two")
+    assert second.headers["x-kvroute-backend"] == backend
+    assert second.headers["x-kvroute-reason"] == "latency_hit"
+
+
+async def test_killing_and_restarting_redis_fails_no_request_and_sync_resumes(
+    redis_server, fleet, make_router, http
+):
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    two = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    statuses: list[int] = []
+    gate = asyncio.Semaphore(6)
+
+    async def ask(i: int) -> None:
+        async with gate:
+            router = one if i % 2 else two
+            statuses.append((await chat(http, router.url, f"question {i % 17}")).status)
+
+    burst = asyncio.gather(*(ask(i) for i in range(120)))
+    await wait_for(lambda: len(statuses) >= 20, what="20 answers", timeout=30)
+    redis_server.stop()
+    await wait_for(lambda: len(statuses) >= 70, what="70 answers with Redis stopped", timeout=30)
+    redis_server.start()
+    await burst
+    assert statuses == [200] * 120
+
+    async def both_up() -> bool:
+        ups = [total(await scrape(http, r.url), "kvroute_redis_up") for r in (one, two)]
+        return ups == [1, 1]
+
+    await wait_for(both_up, what="both replicas to count Redis as up again")
+    before = await peer_updates(http, two.url)
+    backend = (await chat(http, one.url, "a new prefix after the outage")).headers["x-kvroute-backend"]
+
+    async def resumed() -> bool:
+        return await peer_updates(http, two.url) > before
+
+    await wait_for(resumed, what="the stream to carry beliefs again")
+    after = await chat(http, two.url, "a new prefix after the outage, continued")
+    assert after.headers["x-kvroute-backend"] == backend
+
+
+async def test_beliefs_for_backends_this_replica_does_not_have_are_skipped(redis_server):
+    base = {
+        "index": synced_index(redis_server),
+        "backends": [{"name": "e0", "url": "http://127.0.0.1:1"}],
+    }
+    wider = {**base, "backends": [*base["backends"], {"name": "e9", "url": "http://127.0.0.1:2"}]}
+    narrow_index = build_index(config_from_dict(base), RouterMetrics())
+    wide_index = build_index(config_from_dict(wider), RouterMetrics())
+    for index in (narrow_index, wide_index):
+        await index.start()
+    try:
+        wide_index.record("e9", [1, 2, 3])
+        wide_index.record("e0", [1, 2])
+        await wait_for(lambda: narrow_index.size() == 2, what="the known backend's beliefs taken")
+        assert await narrow_index.match([1, 2, 3], ["e0"]) == {"e0": 2}
+        assert narrow_index.blocks_of("e9") == 0
+    finally:
+        for index in (narrow_index, wide_index):
+            await index.close()
