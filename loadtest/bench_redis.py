@@ -465,9 +465,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="the routers' index.redis.write_batch_blocks (default: its default)",
     )
     parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
-    parser.add_argument(
-        "--contenders", default="abcde", help="which of (a)-(e) to run; (a) is the reference"
-    )
+    parser.add_argument("--contenders", default="abcde", help="which of (a)-(e) to run; (a) is the reference")
     parser.add_argument(
         "--nice",
         type=int,

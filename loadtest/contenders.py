@@ -51,6 +51,8 @@ class Contender:
     missing: str | None = None
     #: Extra environment of the process (a baseline checkout's PYTHONPATH).
     env: dict[str, str] | None = None
+    #: Other processes whose CPU time is this contender's (the Redis its workers share).
+    cpu_also_of: list[int] = field(default_factory=list)
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = field(default=None, repr=False)
 
@@ -85,6 +87,11 @@ class Contender:
     @property
     def pid(self) -> int | None:
         return self.process.pid if self.process is not None else None
+
+    def cpu_seconds(self) -> float:
+        """CPU time so far of its process (and descendants) and of ``cpu_also_of``."""
+        pids = ([self.pid] if self.pid else []) + self.cpu_also_of
+        return sum(cpu_seconds(pid) for pid in pids)
 
 
 def cpu_seconds(pid: int) -> float:
@@ -123,8 +130,10 @@ def kvroute(
     redis_url: str | None = None,
     checkout: Path | None = None,
     access_log: bool = False,
+    redis_lookup: str = "shared",
 ) -> Contender:
-    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``.
+    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``
+    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own).
 
     ``access_log``: with ``logging.access_log`` on (one line per request to its log file), as
     the contender ``kvroute access-log``.
@@ -143,7 +152,8 @@ def kvroute(
         "routing: {policy: prefix_aware}",
     ]
     if redis_url:
-        lines.append(f"index: {{store: redis, redis: {{url: '{redis_url}'}}}}")
+        redis = f"url: '{redis_url}', lookup: {redis_lookup}, namespace: lookup-{redis_lookup}"
+        lines.append(f"index: {{store: redis, redis: {{{redis}}}}}")
     if access_log:
         lines.append("logging: {access_log: true}")
     lines.append("backends:")
@@ -163,7 +173,7 @@ def kvroute(
     command = [sys.executable, "-m", module, "serve", "--config", str(config)]
     if workers > 1:
         command += ["--workers", str(workers)]
-        name = f"kvroute x{workers}"
+        name = f"kvroute x{workers} lookup {redis_lookup}"
     return Contender(name, port, pinned(command, cpus), env=env)
 
 

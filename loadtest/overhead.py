@@ -7,7 +7,8 @@ small SSE chunks) and measures, one contender at a time:
 
 - ``direct``: the load generator talks to a backend itself (the baseline);
 - ``kvroute``: ``kvroute serve`` with ``prefix_aware`` routing, one process (and with
-  ``--workers N`` when ``--workers`` is given here);
+  ``--workers N`` when ``--workers`` is given here, sharing a Redis index in each
+  ``index.redis.lookup`` mode, the Redis server's CPU counted as theirs);
 - ``nginx``: Debian's nginx-light, one worker, ``least_conn``, upstream keepalive,
   ``proxy_buffering off`` — what operators would otherwise put there;
 - ``sglang cache_aware``: SGLang's Rust router (``sglang-router``);
@@ -132,7 +133,7 @@ async def measure_round(contender: procs.Contender, result: Measurement, args: a
         await client.fixed_rate(plain, args.rate, max(1, count // 5))  # warm up connections and caches
         result.plain += await client.fixed_rate(plain, args.rate, count)
         result.stream += await client.fixed_rate(stream, args.rate, count)
-        cpu = (lambda: procs.cpu_seconds(contender.pid)) if contender.pid else (lambda: 0.0)
+        cpu = contender.cpu_seconds
         before = cpu()
         plain_max = await client.saturate(plain, args.concurrency, args.saturation_seconds)
         middle = cpu()
@@ -313,11 +314,15 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
         if missing:
             contenders.append(procs.Contender(f"kvroute x{args.workers}", 0, missing=missing))
         else:
-            # A private Redis holds the workers' shared index. Not pinned: N processes on one
-            # core would only show the cost of sharing it.
+            # A private Redis holds the workers' shared index, in both lookup modes; its CPU
+            # time counts as theirs. Give them the cores (--proxy-cpu 0,1) to see them scale.
             redis = RedisServer()
-            url = redis.url
-            contenders.append(procs.kvroute(workdir, backend_urls, None, args.workers, redis_url=url))
+            for lookup in ("local", "shared"):
+                contenders.append(
+                    procs.kvroute(
+                        workdir, backend_urls, args.proxy_cpu, args.workers, redis.url, redis_lookup=lookup
+                    )
+                )
     contenders += [
         procs.floor(backend_urls, args.proxy_cpu),
         procs.nginx(workdir, backend_urls, args.proxy_cpu),
@@ -336,6 +341,9 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
         backends.start(workdir)
         if redis is not None:
             redis.start()
+            for contender in contenders:
+                if contender.name.startswith("kvroute x"):
+                    contender.cpu_also_of.append(redis.process.pid)
         for port in backend_ports:
             procs.wait_listening(port, 10, backends.process)
         # All start at once and idle while another is measured; rounds interleave them, so a

@@ -163,6 +163,23 @@ async def test_overhead_command_runs_end_to_end(tmp_path):
     assert "## Latency (ms)" in report and "| kvroute |" in report
 
 
+async def test_overhead_measures_workers_in_both_lookup_modes(tmp_path):
+    """``--workers 2``: two contenders sharing a private Redis, one per ``index.redis.lookup``."""
+    process = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "loadtest.overhead", "--only", "kvroute", "--rounds", "1", "--rate", "50",
+        "--workers", "2", "--seconds", "0.2", "--saturation-seconds", "0.2", "--concurrency", "4",
+        "--proxy-cpu", "", "--harness-cpu", "",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+    )  # fmt: skip
+    output, _ = await asyncio.wait_for(process.communicate(), timeout=90)
+    text = output.decode()
+    assert process.returncode == 0, text
+    for lookup in ("local", "shared"):
+        rows = [line for line in text.splitlines() if line.startswith(f"kvroute x2 lookup {lookup} ")]
+        assert len(rows) == 2, text  # the latency and the saturation tables
+        assert "not run" not in rows[0], text
+
+
 async def test_router_never_replays_a_backends_cookies_to_other_clients(make_router):
     """The upstream session keeps no cookie jar: Set-Cookie goes to its client and nowhere else."""
     seen: list[str | None] = []
