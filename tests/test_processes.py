@@ -7,11 +7,12 @@ import signal
 from pathlib import Path
 
 import aiohttp
+import pytest
 import yaml
 
 from router.config import config_from_dict
 from router.http.processes import refusal
-from tests.helpers import backends_of, kvroute, wait_for
+from tests.helpers import backends_of, kvroute, scrape, total, wait_for
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
@@ -66,10 +67,11 @@ def test_workers_refuse_what_they_cannot_serve():
     assert "positive" in refusal(config(listen=listen), 0)
 
 
-async def test_workers_share_one_port_and_redis(tmp_path, fleet):
+@pytest.mark.parametrize("lookup", ["shared", "local"])
+async def test_workers_share_one_port_and_redis(tmp_path, fleet, lookup):
     with redis_server() as server:
         port = free_port()
-        index = {"store": "redis", "redis": {"url": server.url, "load_interval_s": 0.05}}
+        index = {"store": "redis", "redis": {"url": server.url, "load_interval_s": 0.05, "lookup": lookup}}
         config = write_config(tmp_path / "c.yaml", port, backends_of(fleet), index)
         log = tmp_path / "kvroute.log"
         process = kvroute("serve", "--config", str(config), "--workers", "2", log=log)
@@ -94,9 +96,14 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet):
             backend = first.headers["x-kvroute-backend"]
 
             async def recorded() -> bool:
-                return replicas.zcard(f"{{kvroute}}:blocks:{backend}") > 0
+                if lookup == "shared":
+                    return replicas.zcard(f"{{kvroute}}:blocks:{backend}") > 0
+                # Each worker's own copy: the other one has taken the first one's belief.
+                async with aiohttp.ClientSession() as http:
+                    samples = await scrape(http, f"http://127.0.0.1:{port}")
+                return total(samples, "kvroute_index_peer_updates_total") >= 1
 
-            await wait_for(recorded, what=f"blocks of {backend} recorded in Redis")
+            await wait_for(recorded, what=f"blocks of {backend} shared through Redis ({lookup})")
             # Whichever worker takes the connection finds the prefix in the shared index.
             for _ in range(10):
                 resp = await post()
