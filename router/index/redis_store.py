@@ -27,6 +27,7 @@ from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
 from router.index.redis_scripts import MATCH, RECORD, Keys, Script, pack_chain
 from router.index.settings import IndexConfig
+from router.index.write_queue import WriteQueue
 from router.metrics import RedisMetrics
 from router.redis.breaker import RedisLink, RedisUnavailable
 from router.redis.client import build_client
@@ -60,20 +61,19 @@ class RedisIndex(PrefixIndex):
         self._capacity: dict[str, int] = {}
         #: Each backend's block count in Redis, as last read (lookups and a periodic refresh).
         self._shared_blocks: dict[str, int] = {}
-        self._pending: deque[tuple[str, Sequence[int]]] = deque()
+        self.queue = WriteQueue(link, link.metrics)
         self._deleted: list[str] = []
-        self._wake: asyncio.Event | None = None
         self._tasks: list[asyncio.Task[None]] = []
         #: Entries this router's writes evicted in Redis (capacity and global budget).
         self.evictions = 0
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        if self._pending or self._deleted:
-            self._wake.set()  # queued before start (the first scrape may re-size capacities)
         await self._warm(WARM_CONNECTIONS)
+        # What was queued before start (the first scrape may re-size capacities) is written first.
         self._tasks = [
-            asyncio.create_task(self._write_loop(), name="kvroute-redis-writer"),
+            asyncio.create_task(
+                self.queue.run(self._flush_once, self._has_writes), name="kvroute-redis-writer"
+            ),
             asyncio.create_task(self._refresh_loop(), name="kvroute-redis-sizes"),
         ]
 
@@ -103,8 +103,8 @@ class RedisIndex(PrefixIndex):
         if name not in self._capacity:
             return
         self._capacity[name] = capacity_blocks
-        self._pending.append((name, ()))
-        self._notify()
+        self.queue.items.append((name, ()))  # never dropped: it trims the set
+        self.queue.notify()
 
     def capacity_of(self, name: str) -> int | None:
         return self._capacity.get(name)
@@ -114,9 +114,9 @@ class RedisIndex(PrefixIndex):
         if self._capacity.pop(name, None) is None:
             return
         self._shared_blocks.pop(name, None)
-        self._pending = deque(item for item in self._pending if item[0] != name)
+        self.queue.items = deque(item for item in self.queue.items if item[0] != name)
         self._deleted.append(self.keys.blocks(name))
-        self._notify()
+        self.queue.notify()
 
     async def match(self, chain: Sequence[int], backends: Iterable[str]) -> dict[str, int]:
         names = list(backends)
@@ -147,11 +147,7 @@ class RedisIndex(PrefixIndex):
         self.local.record(backend, chain)
         if not chain or backend not in self._capacity:
             return
-        if len(self._pending) >= self.config.write_queue_size:
-            self.metrics.dropped_updates.labels("queue_full").inc()
-            return
-        self._pending.append((backend, chain))
-        self._notify()
+        self.queue.push(backend, chain)
 
     def picked(self, backend: str, chain: Sequence[int]) -> None:
         """Believed at the pick, here and (the write queue drains at once) in Redis: the other
@@ -169,10 +165,6 @@ class RedisIndex(PrefixIndex):
         """Withdrawn from the local mirror; the shared belief is left to eviction (see ``picked``)."""
         self.local.failed(backend, chain)
 
-    def _notify(self) -> None:
-        if self._wake is not None:
-            self._wake.set()
-
     def blocks_of(self, backend: str) -> int:
         if self.link.up and backend in self._shared_blocks:
             return self._shared_blocks[backend]
@@ -183,17 +175,8 @@ class RedisIndex(PrefixIndex):
             return sum(self._shared_blocks.values())
         return self.local.size()
 
-    async def _write_loop(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending or self._deleted:
-                if not self.link.up:
-                    # Hold the queue (bounded by write_queue_size) until Redis answers again.
-                    await asyncio.sleep(self.config.retry_interval_s)
-                    continue
-                await self._flush_once()
+    def _has_writes(self) -> bool:
+        return bool(self.queue.items or self._deleted)
 
     async def _flush_once(self) -> None:
         """Send the deletions, or one batch of updates, in one round trip."""
@@ -203,12 +186,7 @@ class RedisIndex(PrefixIndex):
             with contextlib.suppress(RedisUnavailable):
                 await self.link.call("record", lambda: client.delete(*deleted), self._background_timeout)
             return
-        batch = [self._pending.popleft()]
-        blocks = len(batch[0][1])
-        while self._pending and blocks + len(self._pending[0][1]) <= self.config.write_batch_blocks:
-            batch.append(self._pending.popleft())
-            blocks += len(batch[-1][1])
-        self.metrics.write_queue.set(len(self._pending))
+        batch = self.queue.take_batch()
         names = list(self._capacity)
         position = {name: i + 3 for i, name in enumerate(names)}
         keys = [self.keys.clock, self.keys.epochs, *(self.keys.blocks(name) for name in names)]
@@ -251,7 +229,7 @@ class RedisIndex(PrefixIndex):
 
     async def flush(self) -> None:
         """Write everything queued now, batch after batch; stops early if Redis goes down."""
-        while self.link.up and (self._pending or self._deleted):
+        while self.link.up and self._has_writes():
             await self._flush_once()
 
 

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections import deque
 from collections.abc import Callable, Sequence
 from functools import partial
 
@@ -34,6 +33,7 @@ from policies.eviction import BlockSet, LRUBlocks
 from router.index.memory import MemoryIndex
 from router.index.redis_scripts import Keys, pack_chain
 from router.index.settings import IndexConfig
+from router.index.write_queue import WriteQueue
 from router.metrics import RedisMetrics
 from router.redis.breaker import RedisLink, RedisUnavailable
 from router.redis.client import build_client, replica_id
@@ -63,30 +63,23 @@ class SyncedIndex(MemoryIndex):
         self.metrics = link.metrics
         self.id = replica_id()
         self.stream = Keys(self.config.namespace).beliefs
-        self._pending: deque[tuple[str, Sequence[int]]] = deque()
-        self._wake: asyncio.Event | None = None
+        self.queue = WriteQueue(link, link.metrics)
         self._tasks: list[asyncio.Task[None]] = []
 
     async def start(self) -> None:
-        self._wake = asyncio.Event()
-        if self._pending:
-            self._wake.set()
         self._tasks = [
-            asyncio.create_task(self._write_loop(), name="kvroute-redis-sync-writer"),
+            asyncio.create_task(
+                self.queue.run(self._flush_once, lambda: bool(self.queue.items)),
+                name="kvroute-redis-sync-writer",
+            ),
             asyncio.create_task(self._read_loop(), name="kvroute-redis-sync-reader"),
         ]
 
     def record(self, backend: str, chain: Sequence[int]) -> None:
         """Believe it here at once, and queue it for the other replicas."""
         super().record(backend, chain)
-        if not chain or backend not in self._backends:
-            return
-        if len(self._pending) >= self.config.write_queue_size:
-            self.metrics.dropped_updates.labels("queue_full").inc()
-            return
-        self._pending.append((backend, chain))
-        if self._wake is not None:
-            self._wake.set()
+        if chain and backend in self._backends:
+            self.queue.push(backend, chain)
 
     def apply(self, batch: bytes) -> int:
         """Believe another replica's batch of beliefs here; how many were for known backends."""
@@ -101,25 +94,9 @@ class SyncedIndex(MemoryIndex):
     def _background_timeout(self) -> float:
         return self.config.background_timeout_ms / 1000
 
-    async def _write_loop(self) -> None:
-        assert self._wake is not None
-        while True:
-            await self._wake.wait()
-            self._wake.clear()
-            while self._pending:
-                if not self.link.up:
-                    await asyncio.sleep(self.config.retry_interval_s)
-                    continue
-                await self._flush_once()
-
     async def _flush_once(self) -> None:
         """Append one batch of this replica's beliefs to the stream, in one round trip."""
-        batch = [self._pending.popleft()]
-        blocks = len(batch[0][1])
-        while self._pending and blocks + len(self._pending[0][1]) <= self.config.write_batch_blocks:
-            batch.append(self._pending.popleft())
-            blocks += len(batch[-1][1])
-        self.metrics.write_queue.set(len(self._pending))
+        batch = self.queue.take_batch()
         fields = {"r": self.id, "b": _encode([(backend, pack_chain(chain)) for backend, chain in batch])}
 
         async def append() -> None:
@@ -162,7 +139,7 @@ class SyncedIndex(MemoryIndex):
         for task in self._tasks:
             await stop_task(task)
         self._tasks = []
-        while self.link.up and self._pending:
+        while self.link.up and self.queue.items:
             await self._flush_once()
         await self.link.close()
 
