@@ -26,6 +26,21 @@ async def peer_updates(http: aiohttp.ClientSession, url: str) -> float:
     return total(await scrape(http, url), "kvroute_index_peer_updates_total")
 
 
+async def stream_read(http: aiohttp.ClientSession, writer: Any, reader: Any) -> bool:
+    """Whether ``writer`` has appended all it queued and ``reader`` has applied all of it.
+
+    The reader's count of applied beliefs has stopped moving over a few polls once the writer's
+    queue is empty: its blocking read wakes at once for anything appended."""
+    counts = []
+    for _ in range(3):
+        samples = await scrape(http, writer.url)
+        if total(samples, "kvroute_index_write_queue") > 0:
+            return False
+        counts.append(await peer_updates(http, reader.url))
+        await asyncio.sleep(0.1)
+    return len(set(counts)) == 1
+
+
 async def test_a_prefix_routed_by_one_replica_is_looked_up_locally_by_another(
     redis_server, fleet, make_router, http
 ):
@@ -114,15 +129,22 @@ async def test_killing_and_restarting_redis_fails_no_request_and_sync_resumes(
         return ups == [1, 1]
 
     await wait_for(both_up, what="both replicas to count Redis as up again")
+    # The beliefs queued during the outage go out first; the second replica must have applied
+    # them all before the new prefix is sent, or they would pass for the new belief's arrival.
+    await wait_for(lambda: stream_read(http, one, two), what="the outage's backlog to be applied")
     before = await peer_updates(http, two.url)
-    backend = (await chat(http, one.url, "a new prefix after the outage")).headers["x-kvroute-backend"]
+    # Several blocks of its own: after the burst every engine holds SYSTEM, so a short user turn
+    # would leave the pick to load alone.
+    fresh = "a new prefix after the outage, " * 30
+    backend = (await chat(http, one.url, fresh)).headers["x-kvroute-backend"]
 
     async def resumed() -> bool:
-        return await peer_updates(http, two.url) > before
+        return await peer_updates(http, two.url) > before and await stream_read(http, one, two)
 
     await wait_for(resumed, what="the stream to carry beliefs again")
-    after = await chat(http, two.url, "a new prefix after the outage, continued")
+    after = await chat(http, two.url, fresh + "continued")
     assert after.headers["x-kvroute-backend"] == backend
+    assert after.headers["x-kvroute-reason"] == "latency_hit"
 
 
 async def test_beliefs_for_backends_this_replica_does_not_have_are_skipped(redis_server):
