@@ -86,6 +86,21 @@ async def test_a_burst_on_two_replicas_follows_the_first_pick_during_its_prefill
         assert second.headers["x-kvroute-backend"] == (await first).headers["x-kvroute-backend"]
 
 
+async def test_a_busy_replica_appends_one_batch_per_sync_interval(redis_server, fleet, make_router, http):
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server, sync_interval_ms=500))
+    two = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    for i in range(20):
+        assert (await chat(http, one.url, f"prefix {i} " * 40)).status == 200
+
+    async def all_taken() -> bool:
+        return await peer_updates(http, two.url) >= 20
+
+    await wait_for(all_taken, what="the 20 beliefs to reach the second replica")
+    # The first left at once, the rest gathered while the writer waited (one per request
+    # without the interval); generous for a slow machine: 20 requests within 2 s.
+    assert redis_server.client().xlen("{kvroute}:beliefs") <= 5
+
+
 async def test_a_starting_replica_replays_what_the_stream_keeps(redis_server, fleet, make_router, http):
     one = await make_router(backends_of(fleet), index=synced_index(redis_server))
     backend = (await chat(http, one.url, "turn one")).headers["x-kvroute-backend"]

@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from policies.params import PositiveFloat, PositiveInt
+from policies.params import NonNegativeFloat, PositiveFloat, PositiveInt
 
 #: Case-insensitive scheme, as ``HttpUrl`` in router/fleet/settings.py.
 RedisUrl = Annotated[
@@ -62,6 +62,10 @@ class RedisConfig:
     lookup: Literal["shared", "local"] = "shared"
     #: With ``lookup: local``: belief batches the stream keeps; a starting replica replays them.
     stream_length: PositiveInt = 10000
+    #: With ``lookup: local``: after each append to the stream, and after each read that
+    #: returned something, wait this long, so a busy replica makes one round trip per interval
+    #: rather than one per request. The first belief after a quiet spell still leaves at once.
+    sync_interval_ms: NonNegativeFloat = 5.0
     #: Every key expires this long after its last write (a backend's beliefs: its last request).
     key_ttl_s: PositiveFloat = 3600.0
     #: Deadline of one lookup on the request path; past it the request routes on the local view.
