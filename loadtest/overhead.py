@@ -29,8 +29,9 @@ share ``--harness-cpu``. Rates are also given as ratios against kvroute. The req
 are chat requests whose prompts share a few long prefixes, so cache-aware routing has real
 work to do (hashing, matching, recording).
 
-With ``--profile DIR``, py-spy samples kvroute during its saturation runs and the top
-functions by own time are printed (and the raw stacks kept in DIR).
+With ``--profile DIR``, py-spy samples each kvroute contender (with ``--workers``, its worker
+processes) during the run; the top functions by own time are printed, and the raw stacks kept
+in DIR, one file per contender.
 
 Numbers depend on the machine and on what else runs on it; compare ratios within one run.
 """
@@ -252,7 +253,8 @@ class Profiler:
         sibling = Path(sys.executable).with_name("py-spy")  # installed with the bench extra
         binary = str(sibling) if sibling.exists() else shutil.which("py-spy") or "py-spy"
         command = [binary, "record", "--pid", str(pid), "--format", "raw", "--output", str(output)]
-        command += ["--rate", "250", "--nonblocking"]
+        # --subprocesses: `kvroute serve --workers N` does its work in the children.
+        command += ["--rate", "250", "--nonblocking", "--subprocesses"]
         self.output = output
         self.process = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
 
@@ -284,12 +286,17 @@ def top_functions(
     return samples, own.most_common(limit), total.most_common(limit)
 
 
-def print_profile(path: Path, limit: int = 15) -> None:
+def profile_path(directory: str, contender: str) -> Path:
+    """Where one kvroute contender's samples go: ``kvroute x2 local`` -> ``kvroute-x2-local.txt``."""
+    return Path(directory) / f"{contender.replace(' ', '-')}.txt"
+
+
+def print_profile(contender: str, path: Path, limit: int = 15) -> None:
     samples, own, total = top_functions(path.read_text(), limit)
     if not samples:
         print(f"profile {path}: no samples")
         return
-    print(f"\nprofile of kvroute under the benchmark ({samples} samples, {path}):")
+    print(f"\nprofile of {contender} under the benchmark ({samples} samples, {path}):")
     print(format_table(["own %", "function (file)"], [[f"{100 * n / samples:.1f}", f] for f, n in own]))
     print()
     print(format_table(["total %", "function (file)"], [[f"{100 * n / samples:.1f}", f] for f, n in total]))
@@ -336,7 +343,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
 
     results = {c.name: Measurement(c.name, missing=c.missing) for c in contenders}
     running = [c for c in contenders if not c.missing]
-    profiler: Profiler | None = None
+    profilers: list[Profiler] = []
     try:
         backends.start(workdir)
         if redis is not None:
@@ -357,10 +364,14 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
             except RuntimeError as exc:
                 results[contender.name].missing = f"{exc}: {contender.log_tail()}"
                 running.remove(contender)
-        kvroute_pid = next((c.pid for c in running if c.name == "kvroute"), None)
-        # Sampled only while it runs, so the samples are kvroute under the benchmark's load.
-        if args.profile and kvroute_pid:
-            profiler = Profiler(kvroute_pid, Path(args.profile) / "kvroute.txt")
+        # Sampled only while they run; py-spy leaves idle threads out, so the samples are each
+        # kvroute under the benchmark's load, not waiting for the others' rounds.
+        if args.profile:
+            profilers = [
+                Profiler(c.pid, profile_path(args.profile, c.name))
+                for c in running
+                if c.name.startswith("kvroute") and c.pid
+            ]
         for number in range(1, args.rounds + 1):
             # Each round starts one contender later: whoever runs right after another on a
             # warm machine measured up to 15 % cheaper here, so no contender keeps one place.
@@ -369,7 +380,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
                 print(f"round {number}/{args.rounds}: {contender.name}", flush=True)
                 await measure_round(contender, results[contender.name], args)
     finally:
-        if profiler is not None:
+        for profiler in profilers:
             profiler.stop()
         for contender in [*running, backends]:
             contender.stop()
@@ -462,8 +473,10 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
     )
     print(format_table(*saturation))
     if args.profile:
-        with contextlib.suppress(FileNotFoundError):
-            print_profile(Path(args.profile) / "kvroute.txt")
+        for result in results:
+            if result.name.startswith("kvroute") and not result.missing:
+                with contextlib.suppress(FileNotFoundError):
+                    print_profile(result.name, profile_path(args.profile, result.name))
     if args.report:
         from loadtest.report_md import write_report
 
