@@ -442,7 +442,9 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
     )
     parser.add_argument("--only", default="", help="comma-separated contenders: kvroute,floor,nginx,sglang")
     parser.add_argument(
-        "--profile", default="", help="directory: py-spy samples kvroute, top functions printed"
+        "--profile",
+        default="",
+        help="directory: py-spy samples each kvroute contender, top functions printed",
     )
     parser.add_argument("--report", default="", help="directory: also write report.md with the tables")
     return parser
