@@ -14,7 +14,7 @@ from router.index.build import build_index
 from router.metrics import RouterMetrics
 from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.redis_servers import RedisServer
-from tests.test_redis_router import chat
+from tests.test_redis_router import chat, statuses_through_an_outage
 
 
 def synced_index(server: RedisServer, **redis: Any) -> dict[str, Any]:
@@ -123,20 +123,7 @@ async def test_killing_and_restarting_redis_fails_no_request_and_sync_resumes(
 ):
     one = await make_router(backends_of(fleet), index=synced_index(redis_server))
     two = await make_router(backends_of(fleet), index=synced_index(redis_server))
-    statuses: list[int] = []
-    gate = asyncio.Semaphore(6)
-
-    async def ask(i: int) -> None:
-        async with gate:
-            router = one if i % 2 else two
-            statuses.append((await chat(http, router.url, f"question {i % 17}")).status)
-
-    burst = asyncio.gather(*(ask(i) for i in range(120)))
-    await wait_for(lambda: len(statuses) >= 20, what="20 answers", timeout=30)
-    redis_server.stop()
-    await wait_for(lambda: len(statuses) >= 70, what="70 answers with Redis stopped", timeout=30)
-    redis_server.start()
-    await burst
+    statuses = await statuses_through_an_outage(http, [two.url, one.url], redis_server, 120)
     assert statuses == [200] * 120
 
     async def both_up() -> bool:
