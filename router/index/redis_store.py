@@ -229,8 +229,7 @@ class RedisIndex(PrefixIndex):
 
     async def flush(self) -> None:
         """Write everything queued now, batch after batch; stops early if Redis goes down."""
-        while self.link.up and self._has_writes():
-            await self._flush_once()
+        await self.queue.drain(self._flush_once, self._has_writes)
 
 
 def build_redis_index(index: IndexConfig, local: MemoryIndex, registry: CollectorRegistry) -> RedisIndex:

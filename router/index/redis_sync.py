@@ -69,7 +69,7 @@ class SyncedIndex(MemoryIndex):
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(
-                self.queue.run(self._flush_once, lambda: bool(self.queue.items)),
+                self.queue.run(self._flush_once, interval_s=self._sync_interval),
                 name="kvroute-redis-sync-writer",
             ),
             asyncio.create_task(self._read_loop(), name="kvroute-redis-sync-reader"),
@@ -109,12 +109,13 @@ class SyncedIndex(MemoryIndex):
             await self.link.call("record", append, self._background_timeout)
         except RedisUnavailable:
             self.metrics.dropped_updates.labels("redis_unavailable").inc(len(batch))
-        await self._linger()
 
-    async def _linger(self) -> None:
-        """Let the next beliefs gather (a round trip each cost more CPU than the routing
-        decision, measured with ``kvroute bench overhead --workers 2 --profile``)."""
-        await asyncio.sleep(self.config.sync_interval_ms / 1000)
+    @property
+    def _sync_interval(self) -> float:
+        """The wait after each append and each non-empty read: a round trip per request was the
+        largest cost of ``--workers`` processes beyond one router's (``kvroute bench overhead
+        --workers 2 --profile``)."""
+        return self.config.sync_interval_ms / 1000
 
     async def _read_loop(self) -> None:
         """Apply the other replicas' batches as they arrive, from the oldest the stream keeps.
@@ -140,15 +141,14 @@ class SyncedIndex(MemoryIndex):
                     if fields.get(b"r", b"").decode() != self.id:
                         self.metrics.peer_updates.inc(self.apply(fields.get(b"b", b"\x90")))
             if reply:
-                await self._linger()
+                await asyncio.sleep(self._sync_interval)
 
     async def close(self) -> None:
         """Stop reading, append what is queued (bounded by the background deadline), disconnect."""
         for task in self._tasks:
             await stop_task(task)
         self._tasks = []
-        while self.link.up and self.queue.items:
-            await self._flush_once()
+        await self.queue.drain(self._flush_once)
         await self.link.close()
 
 

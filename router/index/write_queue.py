@@ -49,8 +49,16 @@ class WriteQueue:
         self.metrics.write_queue.set(len(self.items))
         return batch
 
-    async def run(self, flush_once: Callable[[], Awaitable[None]], more: Callable[[], bool]) -> None:
-        """The writer: ``flush_once`` while ``more()`` says there is work; held while Redis is down."""
+    async def run(
+        self,
+        flush_once: Callable[[], Awaitable[None]],
+        more: Callable[[], bool] | None = None,
+        interval_s: float = 0.0,
+    ) -> None:
+        """The writer: ``flush_once`` while ``more()`` (by default: beliefs are queued) says there
+        is work; held while Redis is down. After each flush it waits ``interval_s``, so that under
+        load the next beliefs gather into one batch; after a quiet spell a belief leaves at once."""
+        more = more or self._has_items
         self._wake = asyncio.Event()
         while True:
             if not more():
@@ -61,3 +69,17 @@ class WriteQueue:
                 await asyncio.sleep(self.config.retry_interval_s)
                 continue
             await flush_once()
+            if interval_s:
+                await asyncio.sleep(interval_s)
+
+    async def drain(
+        self, flush_once: Callable[[], Awaitable[None]], more: Callable[[], bool] | None = None
+    ) -> None:
+        """Write everything queued now, batch after batch, without waiting between them (at
+        shutdown, or when a caller needs it written); stops early if Redis goes down."""
+        more = more or self._has_items
+        while self.link.up and more():
+            await flush_once()
+
+    def _has_items(self) -> bool:
+        return bool(self.items)
