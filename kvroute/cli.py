@@ -180,6 +180,7 @@ def _config_schema(args: argparse.Namespace) -> int:
 #: ``kvroute bench NAME``: the module whose ``main(argv)`` runs it (loadtest/, imported on use).
 _BENCHMARKS = {
     "overhead": "loadtest.overhead",
+    "partition": "loadtest.bench_partition",
     "report": "loadtest.report_md",
     "routing": "loadtest.bench_routing",
     "real-engines": "loadtest.bench_real_engines",
@@ -330,7 +331,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command(
         "bench",
-        "benchmarks: bench overhead | bench report | bench routing | bench real-engines (each has --help)",
+        "benchmarks: bench overhead | bench partition | bench report | bench routing | bench real-engines"
+        " (each has --help)",
     )
     bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="the benchmark to run")
     bench.add_argument(

@@ -350,7 +350,7 @@ def help_of(*args: str) -> str:
 
 
 def test_every_commands_help_shows_its_defaults():
-    assert "bench overhead | bench report | bench routing" in help_of()
+    assert "bench overhead | bench partition | bench report | bench routing" in help_of()
     assert "(default: 8001)" in help_of("sim") and "(default: 4096)" in help_of("sim")
     assert "(default: 1)" in help_of("serve") and "(a file without one: latency)" in help_of("serve")
     assert "conversation_trace.jsonl.gz)" in help_of("simulate")
@@ -359,6 +359,7 @@ def test_every_commands_help_shows_its_defaults():
         ("overhead", "(default: 200.0)"),
         ("routing", "(default: 10.0)"),
         ("real-engines", "(default: 0.5)"),
+        ("partition", "(default: 400000)"),
     ):
         text = help_of("bench", benchmark)
         assert text.startswith(f"usage: kvroute bench {benchmark} ")

@@ -87,12 +87,17 @@ class PrefixCache:
         fully cached prompt still recomputes its last block. A lookup does not touch the blocks;
         :meth:`insert` does, once the prefill that used them is done.
         """
+        hit = self.peek(hashes, prompt_tokens)
+        self.queries_tokens += prompt_tokens
+        self.hits_tokens += hit * self.block_tokens
+        return hit
+
+    def peek(self, hashes: Sequence[int], prompt_tokens: int) -> int:
+        """What :meth:`lookup` would return, without counting a query (to compare caches first)."""
         limit = min(len(hashes), (prompt_tokens - 1) // self.block_tokens)
         hit = 0
         while hit < limit and hashes[hit] in self._blocks:
             hit += 1
-        self.queries_tokens += prompt_tokens
-        self.hits_tokens += hit * self.block_tokens
         return hit
 
     def insert(self, hashes: Sequence[int], token_ids: Sequence[int] = ()) -> None:
