@@ -42,7 +42,7 @@ from loadtest.bench_routing import wait_serving
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import Contender, free_port, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
-from loadtest.report import format_table, mean, percentile, ratio
+from loadtest.report import Latencies, format_table, ratio
 from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (
     BLOCK_SIZE,
@@ -225,31 +225,14 @@ def run_contender(
 
 
 @dataclass(frozen=True)
-class Figures:
-    ok: int
-    failed: int
+class Figures(Latencies):
+    #: The replicas' own prefix-cache counters over the run (vLLM's hits over queries).
     hit_ratio: float
-    ttft_mean: float
-    ttft_p50: float
-    ttft_p99: float
-    e2e_mean: float
-    e2e_p50: float
 
 
 def figures(row: Row) -> Figures:
-    good = [r for r in row.results if r.ok]
-    ttfts = [r.ttft for r in good if r.ttft is not None]
-    latencies = [r.latency for r in good]
-    return Figures(
-        ok=len(good),
-        failed=len(row.results) - len(good),
-        hit_ratio=row.hits / row.queries if row.queries else math.nan,
-        ttft_mean=mean(ttfts),
-        ttft_p50=percentile(ttfts, 0.5),
-        ttft_p99=percentile(ttfts, 0.99),
-        e2e_mean=mean(latencies),
-        e2e_p50=percentile(latencies, 0.5),
-    )
+    hit_ratio = row.hits / row.queries if row.queries else math.nan
+    return Figures(**Latencies.fields_of(row.results), hit_ratio=hit_ratio)
 
 
 def print_report(rows: Sequence[Row]) -> None:

@@ -41,7 +41,7 @@ from loadtest import workloads
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
-from loadtest.report import busiest_share, format_table, mean, percentile, ratio
+from loadtest.report import Latencies, busiest_share, format_table, ratio, request_hit_ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, simulate
 from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
@@ -229,31 +229,19 @@ def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], wor
 
 
 @dataclass(frozen=True)
-class Figures:
-    ok: int
-    failed: int
+class Figures(Latencies):
     hit_ratio: float
-    ttft_mean: float
-    ttft_p50: float
-    ttft_p99: float
-    e2e_p50: float
     throughput: float
+    #: The busiest engine's share of the requests over the mean share.
     share: float
 
 
 def figures(row: Row) -> Figures:
-    good = [r for r in row.results if r.ok]
-    ttfts = [r.ttft for r in good if r.ttft is not None]
-    prompt = sum(r.prompt_tokens for r in good)
+    ok = sum(1 for r in row.results if r.ok)
     return Figures(
-        ok=len(good),
-        failed=len(row.results) - len(good),
-        hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else math.nan,
-        ttft_mean=mean(ttfts),
-        ttft_p50=percentile(ttfts, 0.5),
-        ttft_p99=percentile(ttfts, 0.99),
-        e2e_p50=percentile([r.latency for r in good], 0.5),
-        throughput=len(good) / row.wall_s if row.wall_s else math.nan,
+        **Latencies.fields_of(row.results),
+        hit_ratio=request_hit_ratio(row.results),
+        throughput=ok / row.wall_s if row.wall_s else math.nan,
         share=busiest_share(row.received),
     )
 

@@ -30,31 +30,58 @@ def busiest_share(counts: Sequence[int]) -> float:
 
 
 @dataclass(frozen=True)
-class Summary:
+class Latencies:
+    """What every live benchmark reports of its requests, whatever else it adds."""
+
     ok: int
     failed: int
-    #: Engine-reported cached prompt tokens / prompt tokens, over successful requests.
-    hit_ratio: float
     ttft_mean: float
     ttft_p50: float
     ttft_p99: float
+    #: End to end: request sent to the last byte received.
+    e2e_mean: float
+    e2e_p50: float
+
+    @staticmethod
+    def fields_of(results: Sequence[Result]) -> dict[str, float | int]:
+        """The fields of a :class:`Latencies` (or of a subclass's) for ``results``; failed
+        requests are counted, and left out of the times."""
+        good = [r for r in results if r.ok]
+        ttfts = [r.ttft for r in good if r.ttft is not None]
+        latencies = [r.latency for r in good]
+        return {
+            "ok": len(good),
+            "failed": len(results) - len(good),
+            "ttft_mean": mean(ttfts),
+            "ttft_p50": percentile(ttfts, 0.50),
+            "ttft_p99": percentile(ttfts, 0.99),
+            "e2e_mean": mean(latencies),
+            "e2e_p50": percentile(latencies, 0.50),
+        }
+
+
+def request_hit_ratio(results: Sequence[Result]) -> float:
+    """Engine-reported cached prompt tokens over prompt tokens, over successful requests."""
+    good = [r for r in results if r.ok]
+    prompt = sum(r.prompt_tokens for r in good)
+    return sum(r.cached_tokens for r in good) / prompt if prompt else math.nan
+
+
+@dataclass(frozen=True)
+class Summary(Latencies):
+    #: Engine-reported cached prompt tokens / prompt tokens, over successful requests.
+    hit_ratio: float
     #: Fraction of successful requests per backend, by backend name.
     share: dict[str, float]
 
 
 def summarize(results: Sequence[Result]) -> Summary:
-    good = [r for r in results if r.ok]
-    prompt = sum(r.prompt_tokens for r in good)
-    ttfts = [r.ttft for r in good if r.ttft is not None]
-    counts = Counter(r.backend or "?" for r in good)
+    counts = Counter(r.backend or "?" for r in results if r.ok)
+    good = sum(counts.values())
     return Summary(
-        ok=len(good),
-        failed=len(results) - len(good),
-        hit_ratio=sum(r.cached_tokens for r in good) / prompt if prompt else 0.0,
-        ttft_mean=mean(ttfts),
-        ttft_p50=percentile(ttfts, 0.50),
-        ttft_p99=percentile(ttfts, 0.99),
-        share={name: n / len(good) for name, n in sorted(counts.items())},
+        **Latencies.fields_of(results),
+        hit_ratio=request_hit_ratio(results),
+        share={name: n / good for name, n in sorted(counts.items())},
     )
 
 
