@@ -21,6 +21,12 @@ can be read against what a perfect one would reach:
   stays balanced); ``none`` lets the scratch engines take every one-shot prompt, however
   overloaded that leaves them.
 
+The model fits traces like Mooncake's, whose prompts share at most a fleet-wide head (a
+system prompt) besides their own conversation's history. Where many prompts share a long
+document of their tenant, that document is the deeper match and decides the pool, and the
+classifier has little left to place (on the ``chat`` workload nearly everything stays in
+``kept``).
+
 Prefill is counted as uncached prompt tokens (the decode, which both pools share alike, is
 left out). The second table is what an actual classifier could see when a prompt arrives:
 the share of requests whose new blocks are used again, by whether the prompt continues an
