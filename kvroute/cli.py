@@ -160,6 +160,8 @@ def _simulate(args: argparse.Namespace) -> int:
         minutes=args.minutes,
         limit=args.limit,
         seed=args.seed,
+        max_output_tokens=args.max_output_tokens,
+        slowest=args.slowest,
     )
 
 
@@ -310,6 +312,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--limit", type=int, help="replay only the trace's first requests (default: all)")
     simulate.add_argument("--sweep", help="key=v1,v2,...: one row per value of a policy or fleet parameter")
+    simulate.add_argument(
+        "--max-output-tokens",
+        type=int,
+        default=0,
+        help="cap outputs, as bench routing does (0: the trace's own)",
+    )
+    simulate.add_argument(
+        "--slowest",
+        type=int,
+        default=0,
+        help="also print each run's slowest N requests and the reasons of its slowest 1 %%",
+    )
     simulate.add_argument(
         "--seed", type=int, default=0, help="seed of the policies' random choices and of a generated workload"
     )

@@ -43,8 +43,8 @@ from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang,
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import Latencies, busiest_share, format_table, ratio, request_hit_ratio
 from loadtest.sim.timing import EngineTiming
-from loadtest.simulate import FleetModel, bounds, simulate
-from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
+from loadtest.simulate import FleetModel, bounds, load_source, simulate
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages
 
 MODEL = "sim-model"
 #: kvroute contenders: (policy, routing params, closed-loop beliefs).
@@ -92,12 +92,10 @@ class Row:
 
 
 def load_requests(bench: Bench) -> list[TraceRequest]:
-    if bench.workload == "mooncake":
-        requests = read_trace(bench.trace, minutes=bench.minutes)
-    else:
-        requests = workloads.generate(bench.workload, bench.seed, bench.minutes)
-    if bench.max_output_tokens:
-        requests = [replace(r, output_tokens=min(r.output_tokens, bench.max_output_tokens)) for r in requests]
+    source = str(bench.trace) if bench.workload == "mooncake" else bench.workload
+    requests = load_source(
+        source, minutes=bench.minutes, limit=None, seed=bench.seed, max_output_tokens=bench.max_output_tokens
+    )
     return workloads.fresh_ids(requests) if bench.no_reuse else requests
 
 

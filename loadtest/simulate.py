@@ -557,15 +557,18 @@ def report(
     runs: Sequence[tuple[str, str, FleetModel, dict[str, Any]]],
     seed: int = 0,
     out: Callable[[str], None] = print,
+    slowest: int = 0,
 ) -> list[Summary]:
-    """Run each of ``runs`` and print one table row per run, then the trace's bounds.
+    """Run each of ``runs`` and print one table row per run, then the trace's bounds, then
+    (``slowest`` > 0) each run's tail: what its slowest requests were.
 
     A figure a run has no value for (``cached/predicted`` of a policy that predicts nothing)
     prints as ``-``; the ``run`` column is there only with ``--sweep``, which labels the rows."""
-    rows, summaries = [], []
+    rows, summaries, tails = [], [], []
     for policy, label, model, params in runs:
-        _, s = simulate(requests, model, policy, params, seed)
+        outcomes, s = simulate(requests, model, policy, params, seed)
         summaries.append(s)
+        tails.append((f"{policy} {label}".strip(), outcomes))
         ms = [s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.queue_mean, s.e2e_p50]
         rows.append(
             [
@@ -593,7 +596,37 @@ def report(
         f"TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
+    if slowest > 0:
+        for name, outcomes in tails:
+            out(format_tail(name, outcomes, slowest))
     return summaries
+
+
+def format_tail(name: str, outcomes: Sequence[Outcome], count: int) -> str:
+    """A run's slowest ``count`` requests, and the decision reasons of its slowest 1 %.
+
+    A TTFT p99 is its slowest hundredth: whether those requests queued, or each paid its own
+    prefill (and whether that prefill was a miss the router chose, such as a spill to an engine
+    without the prefix), says which change could move it.
+    """
+    done = sorted((o for o in outcomes if o.ttft_s is not None), key=lambda o: o.ttft_s or 0.0, reverse=True)
+    tail = done[: max(1, math.ceil(len(done) / 100))] if done else []
+    reasons = ", ".join(f"{r} {n}" for r, n in Counter(o.reason for o in tail).most_common())
+    rows = [
+        [
+            f"{(o.ttft_s or 0.0) * 1000:.0f}",
+            f"{(o.queue_s or 0.0) * 1000:.0f}",
+            o.prompt_tokens,
+            o.cached_tokens,
+            o.reason,
+            o.backend,
+        ]
+        for o in done[:count]
+    ]
+    headers = ["TTFT ms", "queue ms", "prompt tokens", "cached", "reason", "backend"]
+    return f"\n{name}: slowest 1 % ({len(tail)} requests) by reason: {reasons or '-'}\n" + format_table(
+        headers, rows
+    )
 
 
 def _figure(value: float, spec: str) -> str:
@@ -626,13 +659,20 @@ def parse_params(text: str | None) -> dict[str, Any]:
     return params
 
 
-def load_source(source: str, *, minutes: float | None, limit: int | None, seed: int) -> list[TraceRequest]:
+def load_source(
+    source: str, *, minutes: float | None, limit: int | None, seed: int, max_output_tokens: int = 0
+) -> list[TraceRequest]:
     """A generated workload's requests (``source`` one of :data:`loadtest.workloads.NAMES`), else
-    the trace file at ``source``; either cut to its first ``minutes`` and ``limit`` requests."""
+    the trace file at ``source``; either cut to its first ``minutes`` and ``limit`` requests,
+    and each output to ``max_output_tokens`` (0: as given), as ``kvroute bench routing`` does."""
     if source in workloads.NAMES:
         requests = workloads.generate(source, seed, 10.0 if minutes is None else minutes)
-        return requests[:limit] if limit is not None else requests
-    return read_trace(source, minutes=minutes, limit=limit)
+        requests = requests[:limit] if limit is not None else requests
+    else:
+        requests = read_trace(source, minutes=minutes, limit=limit)
+    if max_output_tokens:
+        requests = [replace(r, output_tokens=min(r.output_tokens, max_output_tokens)) for r in requests]
+    return requests
 
 
 def run_command(
@@ -645,13 +685,19 @@ def run_command(
     minutes: float | None = None,
     limit: int | None = None,
     seed: int = 0,
+    max_output_tokens: int = 0,
+    slowest: int = 0,
 ) -> int:
     """``kvroute simulate``: read the trace, run every policy (and sweep value), print the table."""
     try:
         runs = sweep_runs(policies, parse_params(params), parse_sweep(sweep), model)
         for policy, _, _, run_params in runs:
             build_policy(policy, run_params, seed=seed)  # refuse bad params before the long part
-        requests = load_source(trace, minutes=minutes, limit=limit, seed=seed)
+        if max_output_tokens < 0 or slowest < 0:
+            raise UsageError("--max-output-tokens and --slowest must be >= 0")
+        requests = load_source(
+            trace, minutes=minutes, limit=limit, seed=seed, max_output_tokens=max_output_tokens
+        )
     except (UsageError, PolicyLoadError, TraceError, OSError, ValueError, TypeError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
         return 2
@@ -665,5 +711,5 @@ def run_command(
         f"{model.block_tokens} tokens, {model.eviction} beliefs\n",
         flush=True,
     )
-    report(requests, runs, seed)
+    report(requests, runs, seed, slowest=slowest)
     return 0

@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.cli import main
 from loadtest.sim.timing import EngineTiming
-from loadtest.simulate import FleetModel, Simulation, bounds, simulate
+from loadtest.simulate import FleetModel, Simulation, bounds, load_source, simulate
 from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
 from policies.routing.prefix_aware import PrefixAware
 from policies.types import Outcome
@@ -296,3 +296,30 @@ def test_simulate_command_refuses_bad_arguments(trace_file, capsys, extra, messa
 def test_simulate_command_reports_a_missing_trace(tmp_path, capsys) -> None:
     assert main(["simulate", "--trace", str(tmp_path / "none.jsonl"), "--policy", "cost"]) == 2
     assert "none.jsonl" in capsys.readouterr().err
+
+
+def test_simulate_command_shows_each_runs_slowest_requests_and_why(trace_file, capsys) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--policy", "round_robin,cost", "--engines", "3"]
+    assert main([*args, "--capacity", "30000", "--slowest", "3"]) == 0
+    out = capsys.readouterr().out
+    for policy in ("round_robin", "cost"):
+        _, _, rest = out.partition(f"\n{policy}: slowest 1 % (2 requests) by reason: ")
+        assert rest, out  # 120 requests: their slowest hundredth is two
+        reasons, table = rest.split("\n", 1)
+        assert sum(int(part.split()[-1]) for part in reasons.split(", ")) == 2
+        rows = [line.split() for line in table.splitlines()[2:5]]
+        ttfts = [int(r[0]) for r in rows]
+        assert len(rows) == 3 and ttfts == sorted(ttfts, reverse=True)
+        assert all(r[4].startswith(policy.split("_")[0]) for r in rows)
+
+
+def test_max_output_tokens_caps_every_output_as_the_live_benchmark_does() -> None:
+    capped = load_source("agent", minutes=2, limit=None, seed=0, max_output_tokens=7)
+    whole = load_source("agent", minutes=2, limit=None, seed=0)
+    assert [r.output_tokens for r in capped] == [min(7, r.output_tokens) for r in whole]
+    assert max(r.output_tokens for r in whole) > 7
+
+
+def test_simulate_command_refuses_a_negative_cap(trace_file, capsys) -> None:
+    assert main(["simulate", "--trace", str(trace_file), "--max-output-tokens", "-1"]) == 2
+    assert "--max-output-tokens and --slowest must be >= 0" in capsys.readouterr().err
