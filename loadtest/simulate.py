@@ -55,7 +55,7 @@ from loadtest.trace import TraceError, TraceRequest, read_trace
 from policies.eviction import block_set_factory
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
-from policies.types import BackendView, RequestView
+from policies.types import BackendView, RequestView, Warmup
 from policies.types import Outcome as AttemptOutcome
 from router.index import MemoryIndex
 from router.request_path.beliefs import ClosedLoop, Prediction
@@ -261,6 +261,8 @@ class Simulation:
         self.prefilling = dict.fromkeys(self.names, 0)
         self._reasons: dict[int, str] = {}
         self.outcomes: dict[int, Outcome] = {}
+        #: Warm-ups sent (``Decision.warmup``); each is a job of negative index.
+        self.warmups = 0
 
     def schedule(self, at: float, action: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (at, next(self._seq), action))
@@ -331,10 +333,38 @@ class Simulation:
                     decision.backend, chain, decision.matched_blocks, request.input_tokens
                 )
             self.index.record(decision.backend, chain)
-        self.in_flight[decision.backend] += 1
-        self.pending_prefill[decision.backend] += job.pending_tokens
-        self.prefilling[decision.backend] += 1
-        engine.submit(job, self.now)
+        self._submit(job)
+        if decision.warmup is not None and uses_index:
+            self._warm(decision.warmup, chain, view)
+
+    def _submit(self, job: _Job) -> None:
+        self.in_flight[job.backend] += 1
+        self.pending_prefill[job.backend] += job.pending_tokens
+        self.prefilling[job.backend] += 1
+        self.engines[job.backend].submit(job, self.now)
+
+    def _warm(self, warmup: Warmup, chain: list[int], view: RequestView) -> None:
+        """The router's warm-up: the prompt's first ``warmup.blocks`` blocks, one output token,
+        believed at the pick like any request; it has no outcome of its own."""
+        self.warmups += 1
+        block_tokens = self.model.block_tokens
+        prefix = chain[: warmup.blocks]
+        prompt_tokens = len(prefix) * block_tokens + 1
+        matched = self.index.match_now(prefix).get(warmup.backend, 0)
+        job = _Job(
+            index=-self.warmups,
+            arrival=self.now,
+            prompt_tokens=prompt_tokens,
+            output_tokens=1,
+            chain=prefix,
+            backend=warmup.backend,
+            view=view,
+            kv_blocks=-(-(prompt_tokens + 1) // self.model.timing.block_tokens),
+            predicted_blocks=matched,
+            pending_tokens=prompt_tokens - matched * block_tokens,
+        )
+        self.index.record(warmup.backend, prefix)
+        self._submit(job)
 
     def first_token(self, job: _Job) -> None:
         """The router sees the first byte: that request's prefill no longer queues anyone."""
@@ -343,6 +373,8 @@ class Simulation:
 
     def finished(self, job: _Job, now: float) -> None:
         self.in_flight[job.backend] -= 1
+        if job.index < 0:
+            return  # a warm-up: no client waits for it
         reported = None
         if self.closed_loop is not None and job.prediction is not None:
             # A stream's usage chunk comes at its end, so that is when the live router learns.

@@ -82,12 +82,24 @@ class BackendView:
 
 
 @dataclass(frozen=True, slots=True)
+class Warmup:
+    """Copy the request's first ``blocks`` blocks to ``backend`` ahead of need: the router sends
+    that engine the prompt's leading part with ``max_tokens`` 1 beside the request itself, so
+    the next request sent there finds the prefix cached instead of paying for its prefill."""
+
+    backend: str
+    blocks: int
+
+
+@dataclass(frozen=True, slots=True)
 class Decision:
     """A routing choice. ``reason`` is a small fixed vocabulary: it becomes a metric label."""
 
     backend: str
     reason: str
     matched_blocks: int = 0
+    #: A prefix copy the router should make in the background (the policy does no I/O itself).
+    warmup: Warmup | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -137,6 +137,13 @@ class RouterMetrics:
             "Requests sent to another backend after one failed before any byte",
             registry=r,
         )
+        self.warmups = Counter(
+            "kvroute_warmups",
+            "Warm-ups (a prefix copied to a backend ahead of need, with max_tokens 1), by outcome: "
+            "ok, failed, skipped (another is in flight, too many are, or the prompt cannot be cut)",
+            ["backend", "outcome"],
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "kvroute_index_blocks",
             "(backend, block) entries held by the prefix index",

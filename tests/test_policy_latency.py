@@ -12,7 +12,7 @@ from loadtest.simulate import FleetModel, simulate
 from loadtest.workloads import generate
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.latency import Latency
-from policies.types import BackendView, RequestView
+from policies.types import BackendView, RequestView, Warmup
 
 
 def req(blocks: int = 10, chain: tuple[int, ...] | None = None, max_tokens: int | None = 100) -> RequestView:
@@ -101,6 +101,44 @@ def test_a_reused_prefix_is_copied_to_an_idle_backend_and_a_one_off_history_is_n
     assert policy.choose(req(chain=history), [replace(holder, name="h2"), idle]).backend == "h2"
 
 
+def test_a_cold_copy_of_a_long_prefix_is_warmed_while_the_request_goes_to_a_holder() -> None:
+    shared = tuple(range(100, 120))  # 20 blocks: at least warmup_blocks (16)
+    # Once reused, the copy's 1280 tokens count 1280 / (1 + 3) = 320 < 6 x 100 of batch.
+    holder, idle = bv("holder", matched=20, load=6), bv("idle")
+    policy = Latency({**PLAIN, "reuse_weight": 3.0}, seed=0)
+    for other in range(2):  # other traffic keeps the holder within its share of requests
+        assert policy.choose(req(chain=(other,)), [bv("holder", load=6), idle]).backend == "idle"
+    policy.choose(req(chain=shared), [holder, idle])
+    decision = policy.choose(req(chain=shared), [holder, idle])
+    assert (decision.backend, decision.reason, decision.matched_blocks) == ("holder", "latency_hit", 20)
+    assert decision.warmup == Warmup("idle", 20)
+    # Turned off, the request itself makes the copy: a spill, as before.
+    plain = Latency({**PLAIN, "reuse_weight": 3.0, "warmup_blocks": 0}, seed=0)
+    for other in range(2):
+        plain.choose(req(chain=(other,)), [bv("holder", load=6), idle])
+    plain.choose(req(chain=shared), [holder, idle])
+    spill = plain.choose(req(chain=shared), [holder, idle])
+    assert (spill.backend, spill.reason, spill.warmup) == ("idle", "latency_spill", None)
+
+
+def test_no_warmup_for_a_short_prefix_a_partial_copy_or_a_holder_over_its_share() -> None:
+    policy = Latency({**PLAIN, "reuse_weight": 3.0, "warmup_max_share": 1.2}, seed=0)
+    short, long = tuple(range(200, 210)), tuple(range(300, 320))
+    for _ in range(3):  # a 10-block prefix is copied by the request itself
+        decision = policy.choose(req(chain=short), [bv("holder", matched=10, load=3), bv("idle")])
+    assert (decision.backend, decision.warmup) == ("idle", None)
+    # The spill target holds part of the prefix already: the request tops it up itself.
+    decision = policy.choose(req(chain=long), [bv("holder", matched=20, load=9), bv("half", matched=10)])
+    assert (decision.backend, decision.warmup) == ("half", None)
+    # Every recent request went to the holder: it takes no more for a warm-up's sake.
+    busy = Latency({**PLAIN, "reuse_weight": 3.0}, seed=0)
+    for _ in range(10):
+        busy.choose(req(chain=long), [bv("holder", matched=20), bv("idle", load=9)])
+    assert busy.share("holder") > 9 * busy.share("idle")
+    decision = busy.choose(req(chain=long), [bv("holder", matched=20, load=3), bv("idle")])
+    assert (decision.backend, decision.warmup) == ("idle", None)
+
+
 def test_reuse_decays_with_routed_requests_and_is_bounded() -> None:
     policy = Latency({"reuse_half_life": 10.0, "reuse_entries": 4}, seed=0)
     backends = [bv("a", matched=3), bv("b")]
@@ -153,6 +191,18 @@ def test_shared_documents_do_not_hot_spot_one_engine_and_keep_their_hits(workloa
     assert latency.imbalance <= 1.3
     assert latency.hit_ratio >= 0.97 * cost.hit_ratio
     assert latency.refused == 0
+
+
+@pytest.mark.parametrize("workload", ["chat", "agent"])
+def test_warming_hot_copies_ahead_shortens_the_tail_and_keeps_the_balance(workload: str) -> None:
+    """The copies of hot documents were the slowest 1 % of requests (``simulate --slowest``)."""
+    requests = generate(workload, seed=0, minutes=6)
+    _, paying = simulate(requests, FLEET, "latency", {"warmup_blocks": 0}, seed=1)
+    outcomes, warmed = simulate(requests, FLEET, "latency", seed=1)
+    assert warmed.ttft_p99 < 0.95 * paying.ttft_p99
+    assert warmed.hit_ratio >= paying.hit_ratio
+    assert warmed.imbalance <= 1.3
+    assert len(outcomes) == len(requests) and warmed.refused == 0
 
 
 def test_without_reuse_it_balances_at_least_as_well_as_least_load() -> None:

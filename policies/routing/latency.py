@@ -27,7 +27,18 @@ of every sequence is read each step), and in the simulated engines it is five
 A hot prefix's traffic therefore goes to its holder only until the holder's batch costs more
 than the prefix's prefill elsewhere; then it spills, and the engine it spills to holds the
 prefix too from then on (hot prefixes are replicated where their load demands it, which a
-cache-only rule never does). Ties go to the backend whose cache holds the least (a new prefix
+cache-only rule never does).
+
+A spill to an engine that holds none of the prefix makes the request that spills pay the whole
+prefix's prefill: on a chat fleet over long shared documents those copies were most of the
+slowest 1 % of requests (``kvroute simulate --slowest``). So a copy of at least
+``warmup_blocks`` blocks to an engine holding none of it is made ahead of the request instead:
+the request goes to the prefix's cheapest holder, and the decision asks the router for a
+warm-up, the prompt's leading part sent to the spill target with ``max_tokens`` 1. The holder
+costs more than the target by less than the (discounted) copy itself, which is what the
+request no longer waits for; the next request that spills finds the copy made.
+
+Ties go to the backend whose cache holds the least (a new prefix
 displaces the least there), then at random. With no reuse in the traffic the estimate is
 pending prefill plus batch load, which balances at least as well as least load.
 
@@ -42,10 +53,10 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from policies.params import NonNegativeFloat, PositiveFloat, PositiveInt
+from policies.params import NonNegativeFloat, NonNegativeInt, PositiveFloat, PositiveInt
 from policies.routing.base import RoutingPolicy
 from policies.scoring import match_reason
-from policies.types import BackendView, Decision, RequestView
+from policies.types import BackendView, Decision, RequestView, Warmup
 
 
 @dataclass(frozen=True)
@@ -67,6 +78,12 @@ class LatencyParams:
     default_output: PositiveInt = 256
     #: Output tokens counted at most: a generous ``max_tokens`` is a cap, not a length.
     output_cap: PositiveInt = 1024
+    #: A spill that would copy at least this many blocks to an engine holding none of the
+    #: prefix goes to the prefix's holder, and the copy is made by a warm-up (0: never).
+    warmup_blocks: NonNegativeInt = 16
+    #: ... but only to a holder whose share of the recent requests is at most this many times
+    #: the mean share: a request placed there brings its session's later turns with it.
+    warmup_max_share: PositiveFloat = 1.2
 
 
 class Latency(RoutingPolicy):
@@ -80,6 +97,8 @@ class Latency(RoutingPolicy):
         #: Deepest-match block -> (decayed count of requests whose deepest match ended there, at).
         self._reuse: OrderedDict[int, tuple[float, int]] = OrderedDict()
         self._routed = 0
+        #: Backend -> (decayed count of requests routed there, at): recent shares.
+        self._shares: dict[str, tuple[float, int]] = {}
 
     def output_tokens(self, request: RequestView) -> int:
         """The decode steps ``request`` is expected to spend in a batch."""
@@ -89,6 +108,11 @@ class Latency(RoutingPolicy):
     def reuse(self, block: int) -> float:
         """Requests that recently had their deepest match end at ``block`` (decayed)."""
         count, at = self._reuse.get(block, (0.0, self._routed))
+        return count * 0.5 ** ((self._routed - at) / self.params.reuse_half_life)
+
+    def share(self, backend: str) -> float:
+        """Requests recently routed to ``backend`` (decayed as reuse is)."""
+        count, at = self._shares.get(backend, (0.0, self._routed))
         return count * 0.5 ** ((self._routed - at) / self.params.reuse_half_life)
 
     def _count(self, block: int) -> None:
@@ -110,6 +134,20 @@ class Latency(RoutingPolicy):
         batch = p.decode_weight * self.output_tokens(request) * backend.decoding
         return gap + queued + batch + p.load_tokens * backend.load
 
+    def _warm_instead(
+        self, chosen: BackendView, backends: Sequence[BackendView], costs: dict[str, float], deepest: int
+    ) -> tuple[BackendView, Warmup | None]:
+        """Where a request goes when the cheapest backend, ``chosen``, holds none of the
+        ``deepest`` blocks another holds: to the cheapest holder whose recent share is not
+        above ``warmup_max_share`` of the mean, with a warm-up copying the prefix to
+        ``chosen``; else to ``chosen`` itself, the request making the copy."""
+        limit = self.params.warmup_max_share * sum(self.share(b.name) for b in backends) / len(backends)
+        holders = [b for b in backends if b.matched_blocks == deepest and self.share(b.name) <= limit]
+        if not holders:
+            return chosen, None
+        holder = self.pick_min(holders, lambda b: (costs[b.name], b.cached_blocks))
+        return holder, Warmup(chosen.name, deepest)
+
     def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
         deepest = max(b.matched_blocks for b in backends)
         discount = 1.0
@@ -120,4 +158,9 @@ class Latency(RoutingPolicy):
         self._routed += 1
         costs = {b.name: self.cost(request, b, deepest, discount) for b in backends}
         chosen = self.pick_min(backends, lambda b: (costs[b.name], b.cached_blocks))
-        return Decision(chosen.name, match_reason("latency", chosen, backends), chosen.matched_blocks)
+        warmup = None
+        if chosen.matched_blocks == 0 and 0 < self.params.warmup_blocks <= deepest:
+            chosen, warmup = self._warm_instead(chosen, backends, costs, deepest)
+        self._shares[chosen.name] = (self.share(chosen.name) + 1.0, self._routed)
+        reason = match_reason("latency", chosen, backends)
+        return Decision(chosen.name, reason, chosen.matched_blocks, warmup)

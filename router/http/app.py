@@ -230,6 +230,7 @@ def build_app(
                 if kv_events is not None:
                     await kv_events.close()
                 await upkeep.close()
+                await app[DISPATCHER].close()
                 if shared_load is not None:
                     await shared_load.close()
                 await index.close()

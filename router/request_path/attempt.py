@@ -64,7 +64,8 @@ CLIENT_CLOSED = "499"
 
 @dataclass(frozen=True, slots=True)
 class PairSide:
-    """How an attempt on one side of a prefill/decode pair differs from a whole request's."""
+    """How an attempt on one side of a prefill/decode pair differs from a whole request's (a
+    warm-up, router/request_path/warmup.py, is a prefill side of its own)."""
 
     #: What this side's engine is sent (the protocol's fields added to the client's body).
     body: bytes

@@ -17,6 +17,9 @@ whatever the configured policy. Each request's RequestContext (router/request_pa
 learns what happened, for the access log and the request's span; with tracing, the routing
 decision is a ``route`` span and each attempt an ``upstream`` span.
 
+A decision may also ask for a warm-up (``Decision.warmup``): a prefix copied to another
+candidate in the background, beside the request (router/request_path/warmup.py).
+
 Retries: a backend that fails before the client got a byte (router/request_path/proxy.py says which
 failures count) is replaced by the policy's pick among the remaining candidates, at most
 ``upstream.max_attempts`` backends in all and never after ``upstream.retry_deadline_s``.
@@ -48,6 +51,7 @@ from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
+from router.request_path.warmup import Warmups
 
 log = logging.getLogger("kvroute.dispatch")
 
@@ -100,6 +104,12 @@ class Dispatcher:
         #: Chooses decode engines for models served by prefill/decode pairs (its own reload rule).
         self.decode_policy = config.decode_policy
         self.pairs = Pairs(self.books, proxy, metrics)
+        #: Prefix copies a policy asks for beside a request (router/request_path/warmup.py).
+        self.warmups = Warmups(self.books, proxy, metrics, self.keyer)
+
+    async def close(self) -> None:
+        """At shutdown: cancel the warm-ups in flight."""
+        await self.warmups.close()
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -203,13 +213,15 @@ class Dispatcher:
             if not candidates or remaining <= 0:
                 break
             backend, decision = self._choose(route, view, candidates)
+            timeout = min(upstream.first_byte_timeout_s, remaining)
             if number:
                 self.metrics.retries.inc()
             else:
                 self.metrics.decision_time_by(routable.model).observe(time.perf_counter() - route.dispatched)
                 if context.trace is not None:
                     context.trace.routed(route.trace_started, route.label, decision, view, candidates)
-            timeout = min(upstream.first_byte_timeout_s, remaining)
+                if decision.warmup is not None:
+                    self._warm(request, routable, view, decision, candidates, context, timeout)
             try:
                 with Attempt(
                     self.books, routable, view, backend, decision, context, timeout, route.prefix_routed
@@ -225,6 +237,25 @@ class Dispatcher:
                 failures.append(f"{backend.name}: {exc.kind}")
                 candidates = [b for b in candidates if b is not backend]
         raise self._exhausted(failures, deadline)
+
+    def _warm(
+        self,
+        request: web.Request,
+        routable: RoutableRequest,
+        view: RequestView,
+        decision: Decision,
+        candidates: list[Backend],
+        context: RequestContext,
+        timeout: float,
+    ) -> None:
+        """Start the warm-up the decision asks for, on a candidate other than the chosen one."""
+        warmup = decision.warmup
+        assert warmup is not None
+        for backend in candidates:
+            if backend.name == warmup.backend and backend.name != decision.backend:
+                self.warmups.start(request, routable, view, backend, warmup, context, timeout)
+                return
+        log.warning("policy %s asked to warm %r, not another candidate", self._policy_label, warmup.backend)
 
     def _choose(
         self, route: _Route, view: RequestView, candidates: list[Backend]

@@ -1,0 +1,170 @@
+"""Warm-ups: a prefix copied to an engine ahead of need, beside the request that asked for it.
+
+A policy that would send a request to an engine holding none of a long prefix another engine
+holds (``latency``'s spill of a hot document) can instead send the request to a holder and
+ask, in its decision (``Decision.warmup``), for the copy to be made in the background: the
+router sends the spill target the request's leading part — the fewest whole messages of a
+chat, or the fewest characters of a completion's text, whose block chain starts with the
+prefix — with ``max_tokens`` 1 and no stream. The next request that spills there finds the
+prefix cached instead of waiting for its prefill.
+
+A warm-up is an attempt like any other (router/request_path/attempt.py): the target's
+in-flight count and pending prefill hold it, so the policy sees the copy under way; the index
+believes the prefix there from the pick and withdraws the belief if it fails; it counts in
+``kvroute_requests_total`` under its backend, as the engine served it. It has a context of
+its own (no access-log line, no effect on the client's), is never retried, never tells a
+learning policy an outcome, and never delays or fails the request that asked for it. At most
+one warm-up per backend and prefix, and ``MAX_IN_FLIGHT`` in all, are in flight; the rest are
+skipped. ``kvroute_warmups_total`` counts them by outcome.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import replace
+from typing import Any
+
+import orjson
+from aiohttp import web
+
+from policies.types import Decision, RequestView, Warmup
+from router.fleet.backends import Backend
+from router.metrics import RouterMetrics
+from router.request_path.attempt import Attempt, AttemptBooks, PairSide
+from router.request_path.context import RequestContext
+from router.request_path.endpoints import CHAT, COMPLETIONS
+from router.request_path.keying import Keyer
+from router.request_path.prompts import chat_prompt
+from router.request_path.proxy import Proxy, UpstreamFailed
+from router.request_path.request import RoutableRequest
+
+log = logging.getLogger("kvroute.warmup")
+
+#: Warm-ups in flight at most, over all backends: a copy is worth making ahead only while the
+#: fleet has room for it.
+MAX_IN_FLIGHT = 4
+#: Fields of the client's body a warm-up drops: it answers one token, unstreamed, once.
+_DROPPED = ("stream_options", "max_completion_tokens", "n", "best_of", "logprobs", "top_logprobs")
+
+
+def leading_part(routable: RoutableRequest, keyer: Keyer, blocks: int) -> RoutableRequest | None:
+    """The request cut to the fewest whole messages (chat) or characters (a completion's text
+    prompt) whose chain starts with the request's first ``blocks`` blocks; None where it cannot
+    be cut so (other endpoints, a prompt of token ids or several prompts)."""
+    document = routable.document
+    chain = keyer.chain(routable)[0]
+    if len(chain) < blocks:
+        return None
+    wanted = chain[:blocks]
+    if routable.endpoint == CHAT:
+        messages = document.get("messages")
+        if not isinstance(messages, list):
+            return None
+
+        def cut(n: int) -> RoutableRequest:
+            part = {**document, "messages": messages[:n]}
+            return replace(routable, document=part, prompt=chat_prompt(part))
+
+        size = len(messages)
+    elif routable.endpoint == COMPLETIONS and isinstance(document.get("prompt"), str):
+        text: str = document["prompt"]
+
+        def cut(n: int) -> RoutableRequest:
+            part = {**document, "prompt": text[:n]}
+            return replace(routable, document=part, prompt=text[:n].encode())
+
+        size = len(text)
+    else:
+        return None
+    low, high = 1, size  # the whole request covers the prefix; find the fewest units that do
+    while low < high:
+        middle = (low + high) // 2
+        if keyer.chain(cut(middle))[0][:blocks] == wanted:
+            high = middle
+        else:
+            low = middle + 1
+    return cut(low)
+
+
+def warmup_body(part: RoutableRequest) -> bytes:
+    body: dict[str, Any] = {k: v for k, v in part.document.items() if k not in _DROPPED}
+    body["max_tokens"] = 1
+    body["stream"] = False
+    return orjson.dumps(body)
+
+
+class Warmups:
+    """The warm-ups of one dispatcher, started beside requests and cancelled at shutdown."""
+
+    def __init__(self, books: AttemptBooks, proxy: Proxy, metrics: RouterMetrics, keyer: Keyer) -> None:
+        self.books = books
+        self.proxy = proxy
+        self.metrics = metrics
+        self.keyer = keyer
+        self._tasks: set[asyncio.Task[None]] = set()
+        #: (backend, the prefix's last block) of the warm-ups in flight.
+        self._pending: set[tuple[str, int]] = set()
+
+    def start(
+        self,
+        request: web.Request,
+        routable: RoutableRequest,
+        view: RequestView,
+        target: Backend,
+        warmup: Warmup,
+        context: RequestContext,
+        timeout: float,
+    ) -> None:
+        """Send the warm-up in the background, or count it skipped."""
+        key = (target.name, view.chain[warmup.blocks - 1]) if 0 < warmup.blocks <= len(view.chain) else None
+        part = None
+        if key is not None and key not in self._pending and len(self._tasks) < MAX_IN_FLIGHT:
+            part = leading_part(routable, self.keyer, warmup.blocks)
+        if key is None or part is None:
+            self.metrics.warmups.labels(target.name, "skipped").inc()
+            return
+        self._pending.add(key)
+        task = asyncio.create_task(self._send(request, part, view, target, warmup, context, timeout, key))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _send(
+        self,
+        request: web.Request,
+        part: RoutableRequest,
+        view: RequestView,
+        target: Backend,
+        warmup: Warmup,
+        context: RequestContext,
+        timeout: float,
+        key: tuple[str, int],
+    ) -> None:
+        prefix = view.chain[: warmup.blocks]
+        tokens = warmup.blocks * view.block_tokens
+        warm_view = replace(view, chain=prefix, prompt_tokens=tokens, block_count=warmup.blocks, max_tokens=1)
+        own = RequestContext(f"{context.id}-warmup", time.perf_counter(), context.upstream_headers)
+        side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
+        decision = Decision(target.name, "warmup")
+        outcome = "failed"
+        try:
+            with Attempt(self.books, part, warm_view, target, decision, own, timeout, False, side) as attempt:
+                status, _ = await self.proxy.fetch(request, attempt)
+                if status >= 400:
+                    # Refused: the engine did not take the prefix, whatever the status.
+                    self.books.index.failed(target.name, prefix)
+            outcome = "ok" if status < 400 else "failed"
+        except UpstreamFailed as exc:
+            log.info("warm-up of %d blocks on %s failed: %s", warmup.blocks, target.name, exc)
+        except Exception:
+            log.exception("warm-up on %s failed", target.name)
+        finally:
+            self._pending.discard(key)
+            self.metrics.warmups.labels(target.name, outcome).inc()
+
+    async def close(self) -> None:
+        """Cancel the warm-ups in flight (at shutdown): nobody waits for them."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)

@@ -1,0 +1,172 @@
+"""Warm-ups (``Decision.warmup``): a prefix copied to an engine beside the request, through a real
+router, on the success, failure and skip paths."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import aiohttp
+
+from loadtest.sim.fleet import SimFleet
+from policies.routing.base import RoutingPolicy
+from policies.types import BackendView, Decision, RequestView, Warmup
+from router.config import config_from_dict
+from router.http.app import INDEX
+from router.http.server import RouterServer
+from tests.fault_engine import MODEL, backends
+from tests.helpers import FAST, MakeRouter, admin_on_free_port, scrape, total, wait_for, wait_released
+
+#: The router's default character block (``index.block_size``).
+BLOCK = 256
+DOCUMENT = "".join(f"Clause {i}: the tenant keeps the premises in good repair. " for i in range(120))
+
+
+class WarmTheOther(RoutingPolicy):
+    """Routes to the first candidate by name and asks for the prompt's first ``blocks`` blocks to
+    be warmed on the second (all of them when ``blocks`` is 0)."""
+
+    uses_prefix_match = True
+    blocks = 0
+
+    def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
+        first, second = sorted(backends, key=lambda b: b.name)[:2]
+        blocks = self.blocks or len(request.chain)
+        return Decision(first.name, "test", first.matched_blocks, Warmup(second.name, blocks))
+
+
+class WarmTheDocument(WarmTheOther):
+    blocks = len(DOCUMENT) // BLOCK - 1  # blocks that lie wholly inside the system message
+
+
+def policy(cls: type) -> dict[str, str]:
+    return {"policy": f"{__name__}:{cls.__name__}"}
+
+
+def chat(question: str) -> dict:
+    return {
+        "model": MODEL,
+        "messages": [
+            {"role": "system", "content": DOCUMENT},
+            {"role": "user", "content": question},
+            {"role": "assistant", "content": "It depends on the lease."},
+            {"role": "user", "content": "And the garden?"},
+        ],
+        "max_tokens": 5,
+        "stream": True,
+        "stream_options": {"include_usage": True},
+    }
+
+
+async def warmups(http: aiohttp.ClientSession, router: RouterServer, outcome: str) -> float:
+    return total(await scrape(http, router.url), "kvroute_warmups_total", outcome=outcome)
+
+
+async def test_a_warmup_sends_the_fewest_whole_messages_holding_the_prefix_with_one_token(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, second = await fault_engines("ok", "ok")
+    router = await make_router(backends([first, second]), routing=policy(WarmTheDocument))
+    async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
+        assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "f0"
+        await resp.read()
+    await wait_for(lambda: second.received == 1, what="the warm-up reached f1")
+    assert first.json_bodies == [chat("Who fixes the roof?")]  # the request itself, unchanged
+    (warm,) = second.json_bodies
+    assert warm["messages"] == [{"role": "system", "content": DOCUMENT}]
+    assert (warm["max_tokens"], warm["stream"], warm["model"]) == (1, False, MODEL)
+    assert "stream_options" not in warm
+    await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up counted")
+    await wait_released(http, router.url)
+
+
+async def test_a_completion_is_cut_to_the_prefix_blocks(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, second = await fault_engines("ok", "ok")
+    router = await make_router(backends([first, second]), routing=policy(WarmTheDocument))
+    body = {"model": MODEL, "prompt": DOCUMENT + " Question: who fixes the roof?", "max_tokens": 5}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+    await wait_for(lambda: second.received == 1, what="the warm-up reached f1")
+    assert second.json_bodies[0]["prompt"] == DOCUMENT[: WarmTheDocument.blocks * BLOCK]
+
+
+async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
+    make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    async with SimFleet(2, timing=FAST, models=(MODEL,)) as fleet:
+        configured = [{"name": f"e{i}", "url": url, "models": [MODEL]} for i, url in enumerate(fleet.urls)]
+        router = await make_router(configured, routing=policy(WarmTheDocument))
+        async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
+            assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "e0"
+            await resp.read()
+        await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up answered")
+        warmed = fleet.engines[1]
+        (record,) = warmed.records
+        assert record.output_tokens == 1 and record.cached_tokens == 0
+        # The index believes the copy made, and the engine holds it: another tenant's first
+        # question there finds the document cached.
+        assert router.app[INDEX].blocks_of("e1") >= WarmTheDocument.blocks
+        async with http.post(
+            f"{fleet.urls[1]}/v1/chat/completions", json=chat("Who pays the rates?")
+        ) as resp:
+            assert resp.status == 200
+            await resp.read()
+        assert warmed.records[-1].cached_tokens >= 0.9 * record.prompt_tokens
+        await wait_released(http, router.url)
+
+
+async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withdrawn(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, broken = await fault_engines("ok", "status")
+    broken.status = 500
+    router = await make_router(backends([first, broken]), routing=policy(WarmTheOther))
+    for question in ("Who fixes the roof?", "Who pays the rates?"):
+        async with http.post(f"{router.url}/v1/chat/completions", json=chat(question)) as resp:
+            assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "f0"
+            await resp.read()
+
+    async def both_failed() -> bool:
+        return await warmups(http, router, "failed") == 2
+
+    await wait_for(both_failed, what="both warm-ups failed")
+    assert router.app[INDEX].blocks_of("f1") == 0
+    assert router.app[INDEX].blocks_of("f0") > 0
+    await wait_released(http, router.url)
+
+
+async def test_one_warmup_per_backend_and_prefix_is_in_flight(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, slow = await fault_engines("ok", "hang")
+    router = await make_router(backends([first, slow]), routing=policy(WarmTheDocument))
+    for question in ("Who fixes the roof?", "Who pays the rates?"):
+        async with http.post(f"{router.url}/v1/chat/completions", json=chat(question)) as resp:
+            assert resp.status == 200
+            await resp.read()
+    # Both questions share the document's blocks: the second warm-up would repeat the first.
+    assert await warmups(http, router, "skipped") == 1
+    assert slow.received == 1
+    slow.release.set()
+    await wait_for(lambda: warmups(http, router, "ok"), what="the held warm-up answered")
+    await wait_released(http, router.url)
+
+
+async def test_stopping_the_router_cancels_a_warmup_in_flight(
+    fault_engines, http: aiohttp.ClientSession
+) -> None:
+    first, slow = await fault_engines("ok", "hang")
+    config = config_from_dict(
+        admin_on_free_port(
+            {"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends([first, slow]),
+             "routing": policy(WarmTheDocument)}
+        )
+    )  # fmt: skip
+    router = RouterServer(config)
+    await router.start()
+    async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
+        assert resp.status == 200
+    await wait_for(lambda: slow.open == 1, what="the warm-up held by f1")
+    await router.stop()
+    await wait_for(lambda: slow.open == 0, what="the warm-up's connection closed")
