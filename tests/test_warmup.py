@@ -91,6 +91,23 @@ async def test_a_completion_is_cut_to_the_prefix_blocks(
     assert second.json_bodies[0]["prompt"] == DOCUMENT[: WarmTheDocument.blocks * BLOCK]
 
 
+async def test_a_prompt_of_token_ids_is_not_cut_and_its_warmup_is_skipped(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, second = await fault_engines("ok", "ok")
+    router = await make_router(backends([first, second]), routing=policy(WarmTheOther))
+    body = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 5}
+    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+        assert resp.status == 200
+
+    async def skipped() -> bool:
+        return await warmups(http, router, "skipped") == 1
+
+    await wait_for(skipped, what="the warm-up skipped")
+    assert second.received == 0
+    await wait_released(http, router.url)
+
+
 async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
     make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:

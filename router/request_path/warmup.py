@@ -119,21 +119,18 @@ class Warmups:
     ) -> None:
         """Send the warm-up in the background, or count it skipped."""
         key = (target.name, view.chain[warmup.blocks - 1]) if 0 < warmup.blocks <= len(view.chain) else None
-        part = None
-        if key is not None and key not in self._pending and len(self._tasks) < MAX_IN_FLIGHT:
-            part = leading_part(routable, self.keyer, warmup.blocks)
-        if key is None or part is None:
+        if key is None or key in self._pending or len(self._tasks) >= MAX_IN_FLIGHT:
             self.metrics.warmups.labels(target.name, "skipped").inc()
             return
         self._pending.add(key)
-        task = asyncio.create_task(self._send(request, part, view, target, warmup, context, timeout, key))
+        task = asyncio.create_task(self._send(request, routable, view, target, warmup, context, timeout, key))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
     async def _send(
         self,
         request: web.Request,
-        part: RoutableRequest,
+        routable: RoutableRequest,
         view: RequestView,
         target: Backend,
         warmup: Warmup,
@@ -141,6 +138,13 @@ class Warmups:
         timeout: float,
         key: tuple[str, int],
     ) -> None:
+        # Cutting the prompt hashes (or tokenizes) it a few times: in this task, once the
+        # request itself is on its way.
+        part = leading_part(routable, self.keyer, warmup.blocks)
+        if part is None:
+            self._pending.discard(key)
+            self.metrics.warmups.labels(target.name, "skipped").inc()
+            return
         prefix = view.chain[: warmup.blocks]
         tokens = warmup.blocks * view.block_tokens
         warm_view = replace(view, chain=prefix, prompt_tokens=tokens, block_count=warmup.blocks, max_tokens=1)
