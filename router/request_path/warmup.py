@@ -23,7 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from typing import Any
 
 import orjson
@@ -95,6 +95,19 @@ def warmup_body(part: RoutableRequest) -> bytes:
     return orjson.dumps(body)
 
 
+@dataclass(frozen=True, slots=True)
+class _Job:
+    """One warm-up to send: the request that asked for it, and where and how much to copy."""
+
+    request: web.Request
+    routable: RoutableRequest
+    view: RequestView
+    target: Backend
+    warmup: Warmup
+    context: RequestContext
+    timeout: float
+
+
 class Warmups:
     """The warm-ups of one dispatcher, started beside requests and cancelled at shutdown."""
 
@@ -123,49 +136,45 @@ class Warmups:
             self.metrics.warmups.labels(target.name, "skipped").inc()
             return
         self._pending.add(key)
-        task = asyncio.create_task(self._send(request, routable, view, target, warmup, context, timeout, key))
+        job = _Job(request, routable, view, target, warmup, context, timeout)
+        task = asyncio.create_task(self._run(job, key))
         self._tasks.add(task)
         task.add_done_callback(self._tasks.discard)
 
-    async def _send(
-        self,
-        request: web.Request,
-        routable: RoutableRequest,
-        view: RequestView,
-        target: Backend,
-        warmup: Warmup,
-        context: RequestContext,
-        timeout: float,
-        key: tuple[str, int],
-    ) -> None:
-        # Cutting the prompt hashes (or tokenizes) it a few times: in this task, once the
-        # request itself is on its way.
-        part = leading_part(routable, self.keyer, warmup.blocks)
-        if part is None:
-            self._pending.discard(key)
-            self.metrics.warmups.labels(target.name, "skipped").inc()
-            return
-        prefix = view.chain[: warmup.blocks]
-        tokens = warmup.blocks * view.block_tokens
-        warm_view = replace(view, chain=prefix, prompt_tokens=tokens, block_count=warmup.blocks, max_tokens=1)
-        own = RequestContext(f"{context.id}-warmup", time.perf_counter(), context.upstream_headers)
-        side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
-        decision = Decision(target.name, "warmup")
+    async def _run(self, job: _Job, key: tuple[str, int]) -> None:
+        """Send ``job`` and book its outcome; whatever happens, the prefix is free again after."""
         outcome = "failed"
         try:
-            with Attempt(self.books, part, warm_view, target, decision, own, timeout, False, side) as attempt:
-                status, _ = await self.proxy.fetch(request, attempt)
-                if status >= 400:
-                    # Refused: the engine did not take the prefix, whatever the status.
-                    self.books.index.failed(target.name, prefix)
-            outcome = "ok" if status < 400 else "failed"
+            outcome = await self._send(job)
         except UpstreamFailed as exc:
-            log.info("warm-up of %d blocks on %s failed: %s", warmup.blocks, target.name, exc)
+            log.info("warm-up of %d blocks on %s failed: %s", job.warmup.blocks, job.target.name, exc)
         except Exception:
-            log.exception("warm-up on %s failed", target.name)
+            log.exception("warm-up on %s failed", job.target.name)
         finally:
             self._pending.discard(key)
-            self.metrics.warmups.labels(target.name, outcome).inc()
+            self.metrics.warmups.labels(job.target.name, outcome).inc()
+
+    async def _send(self, job: _Job) -> str:
+        """The warm-up's outcome: ok, failed (the engine refused it), or skipped (no cut)."""
+        # Cutting the prompt hashes (or tokenizes) it a few times: in this task, once the
+        # request itself is on its way.
+        part = leading_part(job.routable, self.keyer, job.warmup.blocks)
+        if part is None:
+            return "skipped"
+        view, target, blocks = job.view, job.target, job.warmup.blocks
+        prefix = view.chain[:blocks]
+        warm_view = replace(
+            view, chain=prefix, prompt_tokens=blocks * view.block_tokens, block_count=blocks, max_tokens=1
+        )
+        own = RequestContext(f"{job.context.id}-warmup", time.perf_counter(), job.context.upstream_headers)
+        side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
+        decision = Decision(target.name, "warmup")
+        with Attempt(self.books, part, warm_view, target, decision, own, job.timeout, False, side) as attempt:
+            status, _ = await self.proxy.fetch(job.request, attempt)
+            if status >= 400:
+                # Refused: the engine did not take the prefix, whatever the status.
+                self.books.index.failed(target.name, prefix)
+        return "ok" if status < 400 else "failed"
 
     async def close(self) -> None:
         """Cancel the warm-ups in flight (at shutdown): nobody waits for them."""
