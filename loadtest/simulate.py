@@ -600,7 +600,8 @@ def report(
     for policy, label, model, params in runs:
         outcomes, s = simulate(requests, model, policy, params, seed)
         summaries.append(s)
-        tails.append((f"{policy} {label}".strip(), outcomes))
+        if slowest > 0:
+            tails.append((f"{policy} {label}".strip(), outcomes))
         ms = [s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.queue_mean, s.e2e_p50]
         rows.append(
             [
@@ -628,9 +629,8 @@ def report(
         f"TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
-    if slowest > 0:
-        for name, outcomes in tails:
-            out(format_tail(name, outcomes, slowest))
+    for name, outcomes in tails:
+        out(format_tail(name, outcomes, slowest))
     return summaries
 
 
@@ -642,7 +642,7 @@ def format_tail(name: str, outcomes: Sequence[Outcome], count: int) -> str:
     without the prefix), says which change could move it.
     """
     done = sorted((o for o in outcomes if o.ttft_s is not None), key=lambda o: o.ttft_s or 0.0, reverse=True)
-    tail = done[: max(1, math.ceil(len(done) / 100))] if done else []
+    tail = done[: max(1, math.ceil(len(done) / 100))]
     reasons = ", ".join(f"{r} {n}" for r, n in Counter(o.reason for o in tail).most_common())
     rows = [
         [
