@@ -61,14 +61,20 @@ async def warmups(http: aiohttp.ClientSession, router: RouterServer, outcome: st
     return total(await scrape(http, router.url), "kvroute_warmups_total", outcome=outcome)
 
 
+async def ask(http: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions") -> str:
+    """Send one request, read its answer whole; the backend the router chose."""
+    async with http.post(f"{url}{path}", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+        return resp.headers.get("x-kvroute-backend", "")
+
+
 async def test_a_warmup_sends_the_fewest_whole_messages_holding_the_prefix_with_one_token(
     fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:
     first, second = await fault_engines("ok", "ok")
     router = await make_router(backends([first, second]), routing=policy(WarmTheDocument))
-    async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
-        assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "f0"
-        await resp.read()
+    assert await ask(http, router.url, chat("Who fixes the roof?")) == "f0"
     await wait_for(lambda: second.received == 1, what="the warm-up reached f1")
     assert first.json_bodies == [chat("Who fixes the roof?")]  # the request itself, unchanged
     (warm,) = second.json_bodies
@@ -85,8 +91,7 @@ async def test_a_completion_is_cut_to_the_prefix_blocks(
     first, second = await fault_engines("ok", "ok")
     router = await make_router(backends([first, second]), routing=policy(WarmTheDocument))
     body = {"model": MODEL, "prompt": DOCUMENT + " Question: who fixes the roof?", "max_tokens": 5}
-    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
-        assert resp.status == 200
+    await ask(http, router.url, body, "/v1/completions")
     await wait_for(lambda: second.received == 1, what="the warm-up reached f1")
     assert second.json_bodies[0]["prompt"] == DOCUMENT[: WarmTheDocument.blocks * BLOCK]
 
@@ -97,8 +102,7 @@ async def test_a_prompt_of_token_ids_is_not_cut_and_its_warmup_is_skipped(
     first, second = await fault_engines("ok", "ok")
     router = await make_router(backends([first, second]), routing=policy(WarmTheOther))
     body = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 5}
-    async with http.post(f"{router.url}/v1/completions", json=body) as resp:
-        assert resp.status == 200
+    await ask(http, router.url, body, "/v1/completions")
 
     async def skipped() -> bool:
         return await warmups(http, router, "skipped") == 1
@@ -114,9 +118,7 @@ async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
     async with SimFleet(2, timing=FAST, models=(MODEL,)) as fleet:
         configured = [{"name": f"e{i}", "url": url, "models": [MODEL]} for i, url in enumerate(fleet.urls)]
         router = await make_router(configured, routing=policy(WarmTheDocument))
-        async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
-            assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "e0"
-            await resp.read()
+        assert await ask(http, router.url, chat("Who fixes the roof?")) == "e0"
         await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up answered")
         warmed = fleet.engines[1]
         (record,) = warmed.records
@@ -124,11 +126,7 @@ async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
         # The index believes the copy made, and the engine holds it: another tenant's first
         # question there finds the document cached.
         assert router.app[INDEX].blocks_of("e1") >= WarmTheDocument.blocks
-        async with http.post(
-            f"{fleet.urls[1]}/v1/chat/completions", json=chat("Who pays the rates?")
-        ) as resp:
-            assert resp.status == 200
-            await resp.read()
+        await ask(http, fleet.urls[1], chat("Who pays the rates?"))
         assert warmed.records[-1].cached_tokens >= 0.9 * record.prompt_tokens
         await wait_released(http, router.url)
 
@@ -140,9 +138,7 @@ async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withd
     broken.status = 500
     router = await make_router(backends([first, broken]), routing=policy(WarmTheOther))
     for question in ("Who fixes the roof?", "Who pays the rates?"):
-        async with http.post(f"{router.url}/v1/chat/completions", json=chat(question)) as resp:
-            assert resp.status == 200 and resp.headers["x-kvroute-backend"] == "f0"
-            await resp.read()
+        assert await ask(http, router.url, chat(question)) == "f0"
 
     async def both_failed() -> bool:
         return await warmups(http, router, "failed") == 2
@@ -159,9 +155,7 @@ async def test_one_warmup_per_backend_and_prefix_is_in_flight(
     first, slow = await fault_engines("ok", "hang")
     router = await make_router(backends([first, slow]), routing=policy(WarmTheDocument))
     for question in ("Who fixes the roof?", "Who pays the rates?"):
-        async with http.post(f"{router.url}/v1/chat/completions", json=chat(question)) as resp:
-            assert resp.status == 200
-            await resp.read()
+        await ask(http, router.url, chat(question))
     # Both questions share the document's blocks: the second warm-up would repeat the first.
     assert await warmups(http, router, "skipped") == 1
     assert slow.received == 1
@@ -182,8 +176,7 @@ async def test_stopping_the_router_cancels_a_warmup_in_flight(
     )  # fmt: skip
     router = RouterServer(config)
     await router.start()
-    async with http.post(f"{router.url}/v1/chat/completions", json=chat("Who fixes the roof?")) as resp:
-        assert resp.status == 200
+    await ask(http, router.url, chat("Who fixes the roof?"))
     await wait_for(lambda: slow.open == 1, what="the warm-up held by f1")
     await router.stop()
     await wait_for(lambda: slow.open == 0, what="the warm-up's connection closed")
