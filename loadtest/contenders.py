@@ -53,6 +53,9 @@ class Contender:
     env: dict[str, str] | None = None
     #: Other processes whose CPU time is this contender's (the Redis its workers share).
     cpu_also_of: list[int] = field(default_factory=list)
+    #: Proxy processes serving its port (``kvroute serve --workers N``): each is saturated
+    #: with as many requests in flight as a one-process proxy, not with a share of them.
+    processes: int = 1
     process: subprocess.Popen | None = field(default=None, repr=False)
     log: Path | None = field(default=None, repr=False)
 
@@ -174,7 +177,7 @@ def kvroute(
     if workers > 1:
         command += ["--workers", str(workers)]
         name = f"kvroute x{workers} lookup {redis_lookup}"
-    return Contender(name, port, pinned(command, cpus), env=env)
+    return Contender(name, port, pinned(command, cpus), env=env, processes=workers)
 
 
 def floor(backends: list[str], cpus: str | None) -> Contender:

@@ -8,7 +8,8 @@ small SSE chunks) and measures, one contender at a time:
 - ``direct``: the load generator talks to a backend itself (the baseline);
 - ``kvroute``: ``kvroute serve`` with ``prefix_aware`` routing, one process (and with
   ``--workers N`` when ``--workers`` is given here, sharing a Redis index in each
-  ``index.redis.lookup`` mode, the Redis server's CPU counted as theirs);
+  ``index.redis.lookup`` mode, the Redis server's CPU counted as theirs, and a table of
+  their rate against one process's, measured and on N cores of their own);
 - ``nginx``: Debian's nginx-light, one worker, ``least_conn``, upstream keepalive,
   ``proxy_buffering off`` — what operators would otherwise put there;
 - ``sglang cache_aware``: SGLang's Rust router (``sglang-router``);
@@ -23,11 +24,11 @@ small SSE chunks) and measures, one contender at a time:
 
 For each: latency at a fixed moderate rate (``--rate``, open loop), non-streaming and
 streaming (time to the first chunk, and to the end), and the added latency over ``direct``;
-then the saturation rate (``--concurrency`` requests back to back) and streamed chunks per
-second, with the proxy pinned to ``--proxy-cpu`` while the load generator and the backends
-share ``--harness-cpu``. Rates are also given as ratios against kvroute. The request bodies
-are chat requests whose prompts share a few long prefixes, so cache-aware routing has real
-work to do (hashing, matching, recording).
+then the saturation rate (``--concurrency`` requests back to back for each of the proxy's
+processes) and streamed chunks per second, with the proxy pinned to ``--proxy-cpu`` while the
+load generator and the backends share ``--harness-cpu``. Rates are also given as ratios
+against kvroute. The request bodies are chat requests whose prompts share a few long
+prefixes, so cache-aware routing has real work to do (hashing, matching, recording).
 
 With ``--profile DIR``, py-spy samples each kvroute contender (with ``--workers``, its worker
 processes) during the run; the top functions by own time are printed, and the raw stacks kept
@@ -136,9 +137,10 @@ async def measure_round(contender: procs.Contender, result: Measurement, args: a
         result.stream += await client.fixed_rate(stream, args.rate, count)
         cpu = contender.cpu_seconds
         before = cpu()
-        plain_max = await client.saturate(plain, args.concurrency, args.saturation_seconds)
+        in_flight = args.concurrency * contender.processes
+        plain_max = await client.saturate(plain, in_flight, args.saturation_seconds)
         middle = cpu()
-        stream_max = await client.saturate(stream, args.concurrency, args.saturation_seconds)
+        stream_max = await client.saturate(stream, in_flight, args.saturation_seconds)
         result.plain_cpu += middle - before
         result.stream_cpu += cpu() - middle
         result.plain_served += plain_max.all_requests
@@ -233,6 +235,33 @@ def saturation_table(results: Sequence[Measurement]) -> tuple[list[str], list[li
                 _us(r.cpu_per_chunk),
                 _per_core(r.cpu_per_chunk),
                 _ratio(r.cpu_per_chunk, kv.cpu_per_chunk) if kv else "n/a",
+            ]
+        )
+    return headers, rows
+
+
+def workers_table(results: Sequence[Measurement], workers: int) -> tuple[list[str], list[list[object]]]:
+    """``kvroute xN`` against one kvroute: the rate measured, and the rate on N cores of their own.
+
+    On a machine whose cores the load generator and the backends share, N workers cannot get
+    N whole cores, so their measured rate understates how they scale. What does not depend on
+    the share they got is their CPU per request (the Redis server's included): N cores of
+    their own would serve N / (that) requests a second, against 1 / (one worker's) on one.
+    """
+    one = next((r for r in results if r.name == "kvroute" and not r.missing and r.plain_max), None)
+    headers = ["contender", "req/s", "vs one worker", "CPU us/req", f"on {workers} cores of their own"]
+    rows = []
+    for r in results:
+        if one is None or not r.name.startswith(f"kvroute x{workers} ") or r.missing or r.plain_max is None:
+            continue
+        own_cores = workers * one.cpu_per_request / r.cpu_per_request
+        rows.append(
+            [
+                r.name,
+                f"{r.plain_max.rate:.0f}",
+                f"{r.plain_max.rate / one.plain_max.rate:.2f}x",
+                _us(r.cpu_per_request),
+                "n/a" if math.isnan(own_cores) else f"{own_cores:.2f}x",
             ]
         )
     return headers, rows
@@ -419,7 +448,12 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
     )
     parser.add_argument("--rate", type=float, default=200.0, help="requests/s of the latency runs")
     parser.add_argument("--seconds", type=float, default=5.0, help="duration of each latency run")
-    parser.add_argument("--concurrency", type=int, default=32, help="requests in flight when saturating")
+    parser.add_argument(
+        "--concurrency",
+        type=int,
+        default=32,
+        help="requests in flight per proxy process when saturating (--workers N: N times as many)",
+    )
     parser.add_argument(
         "--saturation-seconds", type=float, default=3.0, help="duration of each saturation run"
     )
@@ -463,7 +497,8 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
 
     heading = (
         f"null backends x{args.backends}, {STREAM_CHUNKS}-chunk streams; latency at {args.rate:.0f} req/s "
-        f"for {args.seconds:.0f} s; saturation: {args.concurrency} in flight, proxy on CPU {args.proxy_cpu}"
+        f"for {args.seconds:.0f} s; saturation: {args.concurrency} in flight per process, "
+        f"proxy on CPU {args.proxy_cpu}"
     )
     latency = latency_table(results, args.rate)
     saturation = saturation_table(results)
@@ -474,6 +509,12 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
         "direct = the load generator's ceiling"
     )
     print(format_table(*saturation))
+    tables = [("Latency (ms)", *latency), ("Saturation", *saturation)]
+    if args.workers > 1:
+        workers = workers_table(results, args.workers)
+        print(f"\n--workers {args.workers} against one kvroute (CPU includes the Redis server's)")
+        print(format_table(*workers))
+        tables.append((f"--workers {args.workers}", *workers))
     if args.profile:
         for result in results:
             if result.name.startswith("kvroute") and not result.missing:
@@ -482,7 +523,6 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
     if args.report:
         from loadtest.report_md import write_report
 
-        tables = [("Latency (ms)", *latency), ("Saturation", *saturation)]
         command = "python -m loadtest.overhead " + " ".join(argv if argv is not None else sys.argv[1:])
         print(
             write_report([], args.report, "Router overhead", intro=f"`{command}`\n\n{heading}", tables=tables)

@@ -176,8 +176,12 @@ async def test_overhead_measures_workers_in_both_lookup_modes(tmp_path):
     assert process.returncode == 0, text
     for lookup in ("local", "shared"):
         rows = [line for line in text.splitlines() if line.startswith(f"kvroute x2 lookup {lookup} ")]
-        assert len(rows) == 2, text  # the latency and the saturation tables
+        assert len(rows) == 3, text  # the latency, saturation and workers tables
         assert "not run" not in rows[0], text
+        # The workers table: the measured ratio and the projection to two cores of their own.
+        _, rate, measured, cpu, projected = rows[2].rsplit(maxsplit=4)
+        assert int(rate) > 0 and int(cpu) > 0, rows[2]
+        assert measured.endswith("x") and float(projected.rstrip("x")) > 0, rows[2]
 
 
 async def test_router_never_replays_a_backends_cookies_to_other_clients(make_router):
