@@ -34,6 +34,8 @@ class FaultEngine:
         self.received = 0
         #: Each request body received, in order.
         self.json_bodies: list[dict] = []
+        #: Each request's ``X-Request-Id``, in order.
+        self.request_ids: list[str | None] = []
         self.open = 0
         #: Set to let ``hang``/slow streams finish.
         self.release = asyncio.Event()
@@ -71,6 +73,7 @@ class FaultEngine:
         body = await request.json()
         self.received += 1
         self.json_bodies.append(body)
+        self.request_ids.append(request.headers.get("X-Request-Id"))
         self.open += 1
         try:
             if self.mode == "hang":

@@ -3,15 +3,18 @@ router, on the success, failure and skip paths."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import aiohttp
+import pytest
 
 from loadtest.sim.fleet import SimFleet
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, Decision, RequestView, Warmup
 from router.config import config_from_dict
-from router.http.app import INDEX
+from router.fleet.backends import BackendPool
+from router.http.app import INDEX, POOL
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, backends
 from tests.helpers import FAST, MakeRouter, admin_on_free_port, scrape, total, wait_for, wait_released
@@ -81,6 +84,9 @@ async def test_a_warmup_sends_the_fewest_whole_messages_holding_the_prefix_with_
     assert warm["messages"] == [{"role": "system", "content": DOCUMENT}]
     assert (warm["max_tokens"], warm["stream"], warm["model"]) == (1, False, MODEL)
     assert "stream_options" not in warm
+    # Its own request id upstream, which names the request it came with.
+    (asked,), (warmed,) = first.request_ids, second.request_ids
+    assert asked and warmed == f"{asked}-warmup"
     await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up counted")
     await wait_released(http, router.url)
 
@@ -131,11 +137,13 @@ async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
         await wait_released(http, router.url)
 
 
+@pytest.mark.parametrize("status", [500, 502])
 async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withdrawn(
-    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+    status: int, fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:
+    """500: the engine's own refusal; 502: a failure the router would retry elsewhere."""
     first, broken = await fault_engines("ok", "status")
-    broken.status = 500
+    broken.status = status
     router = await make_router(backends([first, broken]), routing=policy(WarmTheOther))
     for question in ("Who fixes the roof?", "Who pays the rates?"):
         assert await ask(http, router.url, chat(question)) == "f0"
@@ -146,6 +154,38 @@ async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withd
     await wait_for(both_failed, what="both warm-ups failed")
     assert router.app[INDEX].blocks_of("f1") == 0
     assert router.app[INDEX].blocks_of("f0") > 0
+    await wait_released(http, router.url)
+    for backend in router.app[POOL]:
+        assert (backend.pending_prefill_tokens, backend.pending_prefill_requests) == (0, 0)
+
+
+class WarmATargetThatStartsDraining(WarmTheDocument):
+    """As WarmTheDocument, and the target starts draining right after the pick, before the
+    warm-up's task runs (``pool`` is set by the test)."""
+
+    pool: BackendPool
+
+    def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
+        decision = super().choose(request, backends)
+        assert decision.warmup is not None
+        target = next(b for b in self.pool if b.name == decision.warmup.backend)
+        asyncio.get_running_loop().call_soon(setattr, target, "draining", True)
+        return decision
+
+
+async def test_a_target_that_left_rotation_since_the_pick_gets_no_warmup(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, second = await fault_engines("ok", "ok")
+    router = await make_router(backends([first, second]), routing=policy(WarmATargetThatStartsDraining))
+    WarmATargetThatStartsDraining.pool = router.app[POOL]
+    assert await ask(http, router.url, chat("Who fixes the roof?")) == "f0"
+
+    async def skipped() -> bool:
+        return await warmups(http, router, "skipped") == 1
+
+    await wait_for(skipped, what="the warm-up skipped")
+    assert second.received == 0
     await wait_released(http, router.url)
 
 

@@ -24,6 +24,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass, replace
+from functools import partial
 from typing import Any
 
 import orjson
@@ -33,7 +34,7 @@ from policies.types import Decision, RequestView, Warmup
 from router.fleet.backends import Backend
 from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks, PairSide
-from router.request_path.context import RequestContext
+from router.request_path.context import REQUEST_ID_HEADER, RequestContext
 from router.request_path.endpoints import CHAT, COMPLETIONS
 from router.request_path.keying import Keyer
 from router.request_path.prompts import chat_prompt
@@ -116,7 +117,7 @@ class Warmups:
         self.proxy = proxy
         self.metrics = metrics
         self.keyer = keyer
-        self._tasks: set[asyncio.Task[None]] = set()
+        self._tasks: set[asyncio.Task[str]] = set()
         #: (backend, the prefix's last block) of the warm-ups in flight.
         self._pending: set[tuple[str, int]] = set()
 
@@ -137,25 +138,33 @@ class Warmups:
             return
         self._pending.add(key)
         job = _Job(request, routable, view, target, warmup, context, timeout)
-        task = asyncio.create_task(self._run(job, key))
+        task = asyncio.create_task(self._run(job))
         self._tasks.add(task)
-        task.add_done_callback(self._tasks.discard)
+        task.add_done_callback(partial(self._booked, target.name, key))
 
-    async def _run(self, job: _Job, key: tuple[str, int]) -> None:
-        """Send ``job`` and book its outcome; whatever happens, the prefix is free again after."""
-        outcome = "failed"
+    def _booked(self, backend: str, key: tuple[str, int], task: asyncio.Task[str]) -> None:
+        """Count the warm-up's outcome once and free its prefix, however its task ended
+        (here and not in the task: a task cancelled before its first step runs none of it)."""
+        self._tasks.discard(task)
+        self._pending.discard(key)
+        outcome = "failed" if task.cancelled() else task.result()
+        self.metrics.warmups.labels(backend, outcome).inc()
+
+    async def _run(self, job: _Job) -> str:
+        """Send ``job``; its outcome, with every failure logged and counted as ``failed``."""
         try:
-            outcome = await self._send(job)
+            return await self._send(job)
         except UpstreamFailed as exc:
             log.info("warm-up of %d blocks on %s failed: %s", job.warmup.blocks, job.target.name, exc)
         except Exception:
             log.exception("warm-up on %s failed", job.target.name)
-        finally:
-            self._pending.discard(key)
-            self.metrics.warmups.labels(job.target.name, outcome).inc()
+        return "failed"
 
     async def _send(self, job: _Job) -> str:
-        """The warm-up's outcome: ok, failed (the engine refused it), or skipped (no cut)."""
+        """The warm-up's outcome: ok, failed (the engine refused it), or skipped (no cut, or the
+        target left rotation, e.g. another request took its half-open trial, since the pick)."""
+        if not job.target.routable:
+            return "skipped"
         # Cutting the prompt hashes (or tokenizes) it a few times: in this task, once the
         # request itself is on its way.
         part = leading_part(job.routable, self.keyer, job.warmup.blocks)
@@ -166,7 +175,10 @@ class Warmups:
         warm_view = replace(
             view, chain=prefix, prompt_tokens=blocks * view.block_tokens, block_count=blocks, max_tokens=1
         )
-        own = RequestContext(f"{job.context.id}-warmup", time.perf_counter(), job.context.upstream_headers)
+        # Its own request id upstream too: engines log (and abort) requests by that header.
+        own_id = f"{job.context.id}-warmup"
+        headers = {**job.context.upstream_headers, REQUEST_ID_HEADER: own_id}
+        own = RequestContext(own_id, time.perf_counter(), headers)
         side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
         decision = Decision(target.name, "warmup")
         with Attempt(self.books, part, warm_view, target, decision, own, job.timeout, False, side) as attempt:
