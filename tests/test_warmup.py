@@ -14,7 +14,7 @@ from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, Decision, RequestView, Warmup
 from router.config import config_from_dict
 from router.fleet.backends import BackendPool
-from router.http.app import INDEX, POOL
+from router.http.app import INDEX, METRICS, POOL
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, backends
 from tests.helpers import FAST, MakeRouter, admin_on_free_port, scrape, total, wait_for, wait_released
@@ -220,3 +220,9 @@ async def test_stopping_the_router_cancels_a_warmup_in_flight(
     await wait_for(lambda: slow.open == 1, what="the warm-up held by f1")
     await router.stop()
     await wait_for(lambda: slow.open == 0, what="the warm-up's connection closed")
+    # Counted once, as failed, and everything it held on f1 given back.
+    registry = router.app[METRICS].registry
+    labels = {"backend": "f1", "outcome": "failed"}
+    assert registry.get_sample_value("kvroute_warmups_total", labels) == 1
+    held = next(b for b in router.app[POOL] if b.name == "f1")
+    assert (held.in_flight, held.pending_prefill_tokens, held.pending_prefill_requests) == (0, 0, 0)
