@@ -16,6 +16,7 @@ from router.config import config_from_dict
 from router.fleet.backends import BackendPool
 from router.http.app import INDEX, METRICS, POOL
 from router.http.server import RouterServer
+from router.request_path.warmup import MAX_IN_FLIGHT
 from tests.fault_engine import MODEL, backends
 from tests.helpers import FAST, MakeRouter, admin_on_free_port, scrape, total, wait_for, wait_released
 
@@ -157,6 +158,47 @@ async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withd
     await wait_released(http, router.url)
     for backend in router.app[POOL]:
         assert (backend.pending_prefill_tokens, backend.pending_prefill_requests) == (0, 0)
+
+
+async def test_at_most_four_warmups_are_in_flight(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, slow = await fault_engines("ok", "hang")
+    router = await make_router(backends([first, slow]), routing=policy(WarmTheOther))
+    for n in range(MAX_IN_FLIGHT + 1):  # distinct prompts: no two share a prefix
+        body = {"model": MODEL, "prompt": f"Lease {n}. " + DOCUMENT, "max_tokens": 5}
+        await ask(http, router.url, body, "/v1/completions")
+    await wait_for(lambda: slow.open == MAX_IN_FLIGHT, what="four warm-ups held by f1")
+    assert await warmups(http, router, "skipped") == 1
+    slow.release.set()
+
+    async def answered() -> bool:
+        return await warmups(http, router, "ok") == MAX_IN_FLIGHT
+
+    await wait_for(answered, what="the held warm-ups answered")
+    await wait_released(http, router.url)
+
+
+class WarmTheChosenBackend(RoutingPolicy):
+    """A policy bug: asks for a warm-up on the backend it routes the request to."""
+
+    uses_prefix_match = True
+
+    def choose(self, request: RequestView, backends: Sequence[BackendView]) -> Decision:
+        first = min(backends, key=lambda b: b.name)
+        return Decision(first.name, "test", first.matched_blocks, Warmup(first.name, len(request.chain)))
+
+
+async def test_a_warmup_asked_for_the_chosen_backend_is_not_sent(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    first, second = await fault_engines("ok", "ok")
+    router = await make_router(backends([first, second]), routing=policy(WarmTheChosenBackend))
+    assert await ask(http, router.url, chat("Who fixes the roof?")) == "f0"
+    await wait_released(http, router.url)
+    assert (first.received, second.received) == (1, 0)
+    metrics = await scrape(http, router.url)
+    assert total(metrics, "kvroute_warmups_total") == 0
 
 
 class WarmATargetThatStartsDraining(WarmTheDocument):
