@@ -13,8 +13,11 @@ streaming) against a fresh simulated fleet for each contender, each router a rea
   (d) N replicas, each its own memory     what replicas lose without it
   (e) N replicas, lookups local, synced   each its own copy of the index, kept in step over a
       over a Redis stream                 Redis stream (index.redis.lookup: local)
+  (f) one router, --workers W, lookups    (e)'s sync between the worker processes of one
+      local                               ``kvroute serve --workers W`` on one port
 
-Requests go to the replicas round robin, as a Kubernetes Service would spread them. The
+Requests go to the replicas round robin, as a Kubernetes Service would spread them; the
+kernel spreads (f)'s connections over its workers (SO_REUSEPORT). The
 table gives the engines' hit ratio (engine-reported cached prompt tokens / prompt tokens),
 TTFT, the routers' p99 decision time (``kvroute_routing_decision_seconds``, merged over
 replicas), the Redis lookup's, and the lookups routed on a local view instead (fallbacks,
@@ -71,6 +74,8 @@ class Contender:
     store: str
     #: ``index.redis.lookup`` of a Redis contender: shared (a round trip a lookup) or local.
     lookup: str = "shared"
+    #: ``kvroute serve --workers`` of each replica (1: one process).
+    workers: int = 1
 
 
 @dataclass
@@ -124,9 +129,11 @@ def routers(
                     "lookup": contender.lookup,
                     **redis_options,
                 }
+            # Workers each bind the admin listener with SO_REUSEPORT: a fixed port, not 0.
+            admin_port = free_port() if contender.workers > 1 else 0
             config = {
                 "listen": {"host": "127.0.0.1", "port": port},
-                "admin": {"listen": {"host": "127.0.0.1", "port": 0}},
+                "admin": {"listen": {"host": "127.0.0.1", "port": admin_port}},
                 "backends": [{"name": f"e{j}", "url": u, "models": [MODEL]} for j, u in enumerate(urls)],
                 "routing": {"seed": i + 1, **({"policy": policy} if policy else {})},
                 "index": index,
@@ -134,10 +141,13 @@ def routers(
             }
             path = workdir / f"{contender.label}-{i}.yaml"
             path.write_text(yaml.safe_dump(config))
+            command = [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)]
+            if contender.workers > 1:
+                command += ["--workers", str(contender.workers)]
             with open(workdir / f"{contender.label}-{i}.log", "wb") as log:
                 processes.append(
                     subprocess.Popen(
-                        [sys.executable, "-m", "kvroute.cli", "serve", "--config", str(path)],
+                        command,
                         stdout=log,
                         stderr=subprocess.STDOUT,
                     )
@@ -350,6 +360,7 @@ async def main_async(args: argparse.Namespace) -> int:
         Contender(f"c_{args.replicas}_shared_redis", args.replicas, "redis"),
         Contender(f"d_{args.replicas}_own_memory", args.replicas, "memory"),
         Contender(f"e_{args.replicas}_synced_redis", args.replicas, "redis", lookup="local"),
+        Contender(f"f_workers_{args.workers}_synced", 1, "redis", lookup="local", workers=args.workers),
     ]
     contenders = [c for c in contenders if c.label[0] in args.contenders]
     span = trace[-1].arrival_s - trace[0].arrival_s
@@ -413,7 +424,7 @@ async def main_async(args: argparse.Namespace) -> int:
     headers += ["decision p50", "p99", "redis match p50", "p99", "fallbacks", "timeouts"]
     headers += ["at rest p50", "p99"]
     print(format_table(headers, rows))
-    if len(outcomes) > 1 and outcomes[1].contender.store == "redis":
+    if len(outcomes) > 1 and outcomes[1].contender.label == "b_one_redis":
         a, b = outcomes[0], outcomes[1]
         print(
             f"\nRedis added {ms(b.decision_p50 - a.decision_p50)} to the median decision time and "
@@ -465,7 +476,10 @@ def build_parser() -> argparse.ArgumentParser:
         help="the routers' index.redis.write_batch_blocks (default: its default)",
     )
     parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
-    parser.add_argument("--contenders", default="abcde", help="which of (a)-(e) to run; (a) is the reference")
+    parser.add_argument("--workers", type=int, default=2, help="worker processes of (f)'s one router")
+    parser.add_argument(
+        "--contenders", default="abcdef", help="which of (a)-(f) to run; (a) is the reference"
+    )
     parser.add_argument(
         "--nice",
         type=int,
