@@ -65,6 +65,17 @@ async def warmups(http: aiohttp.ClientSession, router: RouterServer, outcome: st
     return total(await scrape(http, router.url), "kvroute_warmups_total", outcome=outcome)
 
 
+async def wait_counted(
+    http: aiohttp.ClientSession, router: RouterServer, outcome: str, count: int = 1
+) -> None:
+    """Until ``count`` warm-ups are counted with ``outcome``."""
+
+    async def counted() -> bool:
+        return await warmups(http, router, outcome) == count
+
+    await wait_for(counted, what=f"{count} warm-up(s) {outcome}")
+
+
 async def ask(http: aiohttp.ClientSession, url: str, body: dict, path: str = "/v1/chat/completions") -> str:
     """Send one request, read its answer whole; the backend the router chose."""
     async with http.post(f"{url}{path}", json=body) as resp:
@@ -88,7 +99,7 @@ async def test_a_warmup_sends_the_fewest_whole_messages_holding_the_prefix_with_
     # Its own request id upstream, which names the request it came with.
     (asked,), (warmed,) = first.request_ids, second.request_ids
     assert asked and warmed == f"{asked}-warmup"
-    await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up counted")
+    await wait_counted(http, router, "ok")
     await wait_released(http, router.url)
 
 
@@ -111,10 +122,7 @@ async def test_a_prompt_of_token_ids_is_not_cut_and_its_warmup_is_skipped(
     body = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 5}
     await ask(http, router.url, body, "/v1/completions")
 
-    async def skipped() -> bool:
-        return await warmups(http, router, "skipped") == 1
-
-    await wait_for(skipped, what="the warm-up skipped")
+    await wait_counted(http, router, "skipped")
     assert second.received == 0
     await wait_released(http, router.url)
 
@@ -126,7 +134,7 @@ async def test_the_warmed_engine_then_serves_the_prefix_from_its_cache(
         configured = [{"name": f"e{i}", "url": url, "models": [MODEL]} for i, url in enumerate(fleet.urls)]
         router = await make_router(configured, routing=policy(WarmTheDocument))
         assert await ask(http, router.url, chat("Who fixes the roof?")) == "e0"
-        await wait_for(lambda: warmups(http, router, "ok"), what="the warm-up answered")
+        await wait_counted(http, router, "ok")
         warmed = fleet.engines[1]
         (record,) = warmed.records
         assert record.output_tokens == 1 and record.cached_tokens == 0
@@ -149,10 +157,7 @@ async def test_a_failed_warmup_costs_the_request_nothing_and_its_belief_is_withd
     for question in ("Who fixes the roof?", "Who pays the rates?"):
         assert await ask(http, router.url, chat(question)) == "f0"
 
-    async def both_failed() -> bool:
-        return await warmups(http, router, "failed") == 2
-
-    await wait_for(both_failed, what="both warm-ups failed")
+    await wait_counted(http, router, "failed", 2)
     assert router.app[INDEX].blocks_of("f1") == 0
     assert router.app[INDEX].blocks_of("f0") > 0
     await wait_released(http, router.url)
@@ -172,10 +177,7 @@ async def test_at_most_four_warmups_are_in_flight(
     assert await warmups(http, router, "skipped") == 1
     slow.release.set()
 
-    async def answered() -> bool:
-        return await warmups(http, router, "ok") == MAX_IN_FLIGHT
-
-    await wait_for(answered, what="the held warm-ups answered")
+    await wait_counted(http, router, "ok", MAX_IN_FLIGHT)
     await wait_released(http, router.url)
 
 
@@ -223,10 +225,7 @@ async def test_a_target_that_left_rotation_since_the_pick_gets_no_warmup(
     WarmATargetThatStartsDraining.pool = router.app[POOL]
     assert await ask(http, router.url, chat("Who fixes the roof?")) == "f0"
 
-    async def skipped() -> bool:
-        return await warmups(http, router, "skipped") == 1
-
-    await wait_for(skipped, what="the warm-up skipped")
+    await wait_counted(http, router, "skipped")
     assert second.received == 0
     await wait_released(http, router.url)
 
@@ -242,7 +241,7 @@ async def test_one_warmup_per_backend_and_prefix_is_in_flight(
     assert await warmups(http, router, "skipped") == 1
     assert slow.received == 1
     slow.release.set()
-    await wait_for(lambda: warmups(http, router, "ok"), what="the held warm-up answered")
+    await wait_counted(http, router, "ok")
     await wait_released(http, router.url)
 
 
