@@ -140,7 +140,8 @@ class RouterMetrics:
         self.warmups = Counter(
             "kvroute_warmups",
             "Warm-ups (a prefix copied to a backend ahead of need, with max_tokens 1), by outcome: "
-            "ok, failed, skipped (another is in flight, too many are, or the prompt cannot be cut)",
+            "ok, failed, skipped (another is in flight, too many are, the prompt cannot be cut, "
+            "or the target left rotation)",
             ["backend", "outcome"],
             registry=r,
         )

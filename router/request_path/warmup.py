@@ -50,15 +50,12 @@ MAX_IN_FLIGHT = 4
 _DROPPED = ("stream_options", "max_completion_tokens", "n", "best_of", "logprobs", "top_logprobs")
 
 
-def leading_part(routable: RoutableRequest, keyer: Keyer, blocks: int) -> RoutableRequest | None:
+def leading_part(routable: RoutableRequest, keyer: Keyer, wanted: list[int]) -> RoutableRequest | None:
     """The request cut to the fewest whole messages (chat) or characters (a completion's text
-    prompt) whose chain starts with the request's first ``blocks`` blocks; None where it cannot
-    be cut so (other endpoints, a prompt of token ids or several prompts)."""
+    prompt) whose chain starts with ``wanted``, the first blocks of the request's own chain;
+    None where it cannot be cut so (other endpoints, a prompt of token ids or several prompts)."""
     document = routable.document
-    chain = keyer.chain(routable)[0]
-    if len(chain) < blocks:
-        return None
-    wanted = chain[:blocks]
+    blocks = len(wanted)
     if routable.endpoint == CHAT:
         messages = document.get("messages")
         if not isinstance(messages, list):
@@ -165,13 +162,13 @@ class Warmups:
         target left rotation, e.g. another request took its half-open trial, since the pick)."""
         if not job.target.routable:
             return "skipped"
+        view, target, blocks = job.view, job.target, job.warmup.blocks
+        prefix = view.chain[:blocks]  # start() made sure the chain holds that many
         # Cutting the prompt hashes (or tokenizes) it a few times: in this task, once the
         # request itself is on its way.
-        part = leading_part(job.routable, self.keyer, job.warmup.blocks)
+        part = leading_part(job.routable, self.keyer, prefix)
         if part is None:
             return "skipped"
-        view, target, blocks = job.view, job.target, job.warmup.blocks
-        prefix = view.chain[:blocks]
         warm_view = replace(
             view, chain=prefix, prompt_tokens=blocks * view.block_tokens, block_count=blocks, max_tokens=1
         )
