@@ -107,12 +107,16 @@ class Latency(RoutingPolicy):
 
     def reuse(self, block: int) -> float:
         """Requests that recently had their deepest match end at ``block`` (decayed)."""
-        count, at = self._reuse.get(block, (0.0, self._routed))
-        return count * 0.5 ** ((self._routed - at) / self.params.reuse_half_life)
+        return self._decayed(self._reuse.get(block))
 
     def share(self, backend: str) -> float:
         """Requests recently routed to ``backend`` (decayed as reuse is)."""
-        count, at = self._shares.get(backend, (0.0, self._routed))
+        return self._decayed(self._shares.get(backend))
+
+    def _decayed(self, entry: tuple[float, int] | None) -> float:
+        """A count kept as (count, routed requests when last counted), halved every
+        ``reuse_half_life`` requests routed since."""
+        count, at = entry or (0.0, self._routed)
         return count * 0.5 ** ((self._routed - at) / self.params.reuse_half_life)
 
     def _count(self, block: int) -> None:
