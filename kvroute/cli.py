@@ -185,6 +185,7 @@ _BENCHMARKS = {
     "partition": "loadtest.bench_partition",
     "report": "loadtest.report_md",
     "routing": "loadtest.bench_routing",
+    "workers": "loadtest.bench_workers",
     "real-engines": "loadtest.bench_real_engines",
 }
 
@@ -345,8 +346,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     bench = command(
         "bench",
-        "benchmarks: bench overhead | bench partition | bench report | bench routing | bench real-engines"
-        " (each has --help)",
+        "benchmarks: bench overhead | bench partition | bench report | bench routing | bench workers"
+        " | bench real-engines (each has --help)",
     )
     bench.add_argument("benchmark", choices=sorted(_BENCHMARKS), help="the benchmark to run")
     bench.add_argument(

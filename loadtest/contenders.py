@@ -20,7 +20,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from loadtest.null_backend import MODEL
+from loadtest.null_backend import COMPLETION, GET_BODIES, GET_CONTENT_TYPES, MODEL
 
 #: A benchmarked router's admin listener: loopback, any free port (routers run side by side).
 ADMIN_ON_ANY_PORT = "admin: {listen: {host: 127.0.0.1, port: 0}}"
@@ -134,9 +134,12 @@ def kvroute(
     checkout: Path | None = None,
     access_log: bool = False,
     redis_lookup: str = "shared",
+    policy: str = "prefix_aware",
+    name: str | None = None,
 ) -> Contender:
-    """kvroute with ``prefix_aware`` routing; ``workers`` > 1 shares its index through ``redis_url``
-    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own).
+    """kvroute routing with ``policy``; ``workers`` > 1 shares its index through ``redis_url``
+    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own). ``name`` replaces the
+    contender's name, which otherwise says what it runs.
 
     ``access_log``: with ``logging.access_log`` on (one line per request to its log file), as
     the contender ``kvroute access-log``.
@@ -152,7 +155,7 @@ def kvroute(
         ADMIN_ON_A_FREE_PORT.format(port=free_port()) if workers > 1 else ADMIN_ON_ANY_PORT,
         # The access log is written at INFO; without it every logger stays at WARNING.
         f"log_level: {'info' if access_log else 'warning'}",
-        "routing: {policy: prefix_aware}",
+        f"routing: {{policy: {policy}}}",
     ]
     if redis_url:
         redis = f"url: '{redis_url}', lookup: {redis_lookup}, namespace: lookup-{redis_lookup}"
@@ -166,18 +169,18 @@ def kvroute(
     # before the command moved out of router/ keep it in router/cli.py.
     module = "kvroute.cli"
     env = None
-    name = "kvroute"
+    default_name = "kvroute"
     if checkout is not None:
         module = "kvroute.cli" if (checkout / "kvroute" / "cli.py").is_file() else "router.cli"
         env = {"PYTHONPATH": str(checkout.resolve())}
-        name = "kvroute baseline"
+        default_name = "kvroute baseline"
     if access_log:
-        name = "kvroute access-log"
+        default_name = "kvroute access-log"
     command = [sys.executable, "-m", module, "serve", "--config", str(config)]
     if workers > 1:
         command += ["--workers", str(workers)]
-        name = f"kvroute x{workers} lookup {redis_lookup}"
-    return Contender(name, port, pinned(command, cpus), env=env, processes=workers)
+        default_name = f"kvroute x{workers} lookup {redis_lookup}"
+    return Contender(name or default_name, port, pinned(command, cpus), env=env, processes=workers)
 
 
 def floor(backends: list[str], cpus: str | None) -> Contender:
@@ -187,20 +190,26 @@ def floor(backends: list[str], cpus: str | None) -> Contender:
     return Contender("floor (aiohttp + upstream client)", port, pinned(command, cpus))
 
 
-NGINX_CONF = """\
+#: nginx's main file, around an ``http`` block of each use's own (``{name}`` keeps two apart).
+NGINX_MAIN = """\
 worker_processes 1;
 daemon off;
-pid {dir}/nginx.pid;
-error_log {dir}/nginx-error.log warn;
+pid {dir}/{name}.pid;
+error_log {dir}/{name}-error.log warn;
 events {{ worker_connections 8192; }}
 http {{
     access_log off;
-    client_body_temp_path {dir}/nginx-body;
-    proxy_temp_path {dir}/nginx-proxy;
-    fastcgi_temp_path {dir}/nginx-fastcgi;
-    uwsgi_temp_path {dir}/nginx-uwsgi;
-    scgi_temp_path {dir}/nginx-scgi;
+    client_body_temp_path {dir}/{name}-body;
+    proxy_temp_path {dir}/{name}-proxy;
+    fastcgi_temp_path {dir}/{name}-fastcgi;
+    uwsgi_temp_path {dir}/{name}-uwsgi;
+    scgi_temp_path {dir}/{name}-scgi;
     client_body_buffer_size 1m;
+{http}
+}}
+"""
+
+NGINX_PROXY = """\
     upstream engines {{
         least_conn;
 {servers}
@@ -216,23 +225,55 @@ http {{
             proxy_buffering off;
             proxy_cache off;
         }}
-    }}
-}}
-"""
+    }}"""
+
+
+def _nginx(name: str, port: int, workdir: Path, http: str, cpus: str | None) -> Contender:
+    """nginx with ``http`` as its http block, or a missing contender where nginx is not installed."""
+    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
+    if binary is None:
+        return Contender(name, port, missing="nginx not installed (apt-get install nginx-light)")
+    stem = name.replace(" ", "-")
+    conf = workdir / f"{stem}.conf"
+    conf.write_text(NGINX_MAIN.format(dir=workdir, name=stem, http=http))
+    command = [binary, "-e", str(workdir / f"{stem}-error.log"), "-c", str(conf)]
+    return Contender(name, port, pinned(command, cpus))
 
 
 def nginx(workdir: Path, backends: list[str], cpus: str | None) -> Contender:
     """nginx as operators deploy it in front of engines: least_conn, keepalive, no buffering."""
     port = free_port()
-    binary = shutil.which("nginx") or ("/usr/sbin/nginx" if Path("/usr/sbin/nginx").exists() else None)
-    if binary is None:
-        return Contender("nginx", port, missing="nginx not installed (apt-get install nginx-light)")
     servers = "\n".join(f"        server {url.removeprefix('http://')};" for url in backends)
-    conf = workdir / "nginx.conf"
-    conf.write_text(NGINX_CONF.format(dir=workdir, servers=servers, port=port))
-    return Contender(
-        "nginx", port, pinned([binary, "-e", str(workdir / "nginx-error.log"), "-c", str(conf)], cpus)
-    )
+    return _nginx("nginx", port, workdir, NGINX_PROXY.format(servers=servers, port=port), cpus)
+
+
+def _nginx_literal(body: bytes) -> str:
+    """``body`` as an nginx single-quoted string."""
+    return "'" + body.decode().replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def nginx_null_backends(workdir: Path, ports: list[int], cpus: str | None) -> Contender:
+    """Null backends served by nginx from its config: :mod:`loadtest.null_backend`'s answers,
+    non-streamed only, at a small fraction of the CPU of that Python server.
+
+    A saturation run whose load generator is wrk spends almost all of the machine in the
+    proxy only if the backends are this cheap too (``kvroute bench workers``).
+    """
+    locations = [
+        f"location = {path.decode()} {{ default_type {GET_CONTENT_TYPES.get(path, 'application/json')}; "
+        f"return 200 {_nginx_literal(body)}; }}"
+        for path, body in GET_BODIES.items()
+    ]
+    # Every other path (the generate routes among them) gets a completion, whatever its method.
+    completion = _nginx_literal(COMPLETION)
+    locations.append(f"location / {{ default_type application/json; return 200 {completion}; }}")
+    servers = [
+        f"    server {{\n        listen 127.0.0.1:{port} backlog=4096;\n        keepalive_requests 1000000;\n"
+        + "".join(f"        {location}\n" for location in locations)
+        + "    }"
+        for port in ports
+    ]
+    return _nginx("nginx null backends", ports[0], workdir, "\n".join(servers), cpus)
 
 
 def sglang(backends: list[str], cpus: str | None) -> Contender:

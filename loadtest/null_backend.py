@@ -30,7 +30,7 @@ MODEL = "null-model"
 #: SSE chunks per streamed response.
 STREAM_CHUNKS = 50
 
-_COMPLETION = orjson.dumps(
+COMPLETION = orjson.dumps(
     {
         "id": "null-1",
         "object": "chat.completion",
@@ -55,7 +55,7 @@ _CHUNK = (
 )
 _DONE = b"data: [DONE]\n\n"
 
-_GET_BODIES = {
+GET_BODIES = {
     b"/health": b"{}",
     b"/health_generate": b"{}",
     b"/v1/models": orjson.dumps(
@@ -67,6 +67,8 @@ _GET_BODIES = {
     b"/server_info": orjson.dumps({"model_path": MODEL, "max_total_num_tokens": 1 << 20}),
     b"/metrics": b"",
 }
+#: Content types of the GET answers other than JSON.
+GET_CONTENT_TYPES = {b"/metrics": "text/plain"}
 _GENERATE = frozenset((b"/v1/chat/completions", b"/v1/completions", b"/generate"))
 
 
@@ -134,14 +136,14 @@ class NullProtocol(asyncio.Protocol):
             self.transport.write(_BAD)
             return
         method, path = request_line[0], request_line[1].split(b"?", 1)[0]
-        if method == b"GET" and path in _GET_BODIES:
-            content_type = b"text/plain" if path == b"/metrics" else b"application/json"
-            self.transport.write(_response(b"200 OK", _GET_BODIES[path], content_type))
+        if method == b"GET" and path in GET_BODIES:
+            content_type = GET_CONTENT_TYPES.get(path, "application/json").encode()
+            self.transport.write(_response(b"200 OK", GET_BODIES[path], content_type))
         elif method == b"POST" and path in _GENERATE:
             if b'"stream":true' in body or b'"stream": true' in body:
                 self.streaming = asyncio.get_running_loop().create_task(self._stream())
             else:
-                self.transport.write(_response(b"200 OK", _COMPLETION))
+                self.transport.write(_response(b"200 OK", COMPLETION))
         else:
             self.transport.write(_NOT_FOUND)
 

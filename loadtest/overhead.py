@@ -389,7 +389,7 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
         for contender in list(running):
             try:
                 procs.wait_listening(contender.port, 30, contender.process)
-                await _wait_routable(contender.port)
+                await wait_routable(contender.port)
             except RuntimeError as exc:
                 results[contender.name].missing = f"{exc}: {contender.log_tail()}"
                 running.remove(contender)
@@ -425,7 +425,7 @@ def _workers_missing() -> str | None:
     return None
 
 
-async def _wait_routable(port: int, timeout: float = 30.0) -> None:
+async def wait_routable(port: int, timeout: float = 30.0) -> None:
     """Until a real request goes through: routers may listen before their backends are healthy."""
     request = build_request(f"127.0.0.1:{port}", PATH, request_bodies(False, 1)[0])
     client = Client("127.0.0.1", port, timeout=2.0)

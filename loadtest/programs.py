@@ -17,9 +17,10 @@ PACKAGES = {
     "prometheus": "prometheus",
     "promtool": "prometheus",
     "nginx": "nginx-light",
+    "wrk": "wrk",
 }
 #: The programs the test suite runs (scripts/test installs their packages when missing).
-TEST_PROGRAMS = ("redis-server", "redis-cli", "openssl", "prometheus", "promtool")
+TEST_PROGRAMS = ("redis-server", "redis-cli", "openssl", "prometheus", "promtool", "nginx", "wrk")
 
 
 class MissingProgram(RuntimeError):
