@@ -107,7 +107,7 @@ def _children_cpu() -> float:
 
 
 def measure(group: Group, backends: procs.Contender, args: argparse.Namespace, bodies: Path) -> None:
-    """One round: a wrk per router process group, all at once; rates and CPU added to ``group``."""
+    """One round: one wrk per router of the group, all at once; rates and CPU added to ``group``."""
     commands = [
         wrk_command(r.port, args.concurrency * r.processes, args.seconds, bodies, args.harness_cpu)
         for r in group.routers
@@ -115,7 +115,9 @@ def measure(group: Group, backends: procs.Contender, args: argparse.Namespace, b
     router_cpu = sum(r.cpu_seconds() for r in group.routers)
     harness_cpu = backends.cpu_seconds() + _children_cpu()
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in commands]
-    runs = [parse_wrk(p.communicate(timeout=args.seconds + 60)[0].decode(errors="replace")) for p in running]
+    # Every wrk is waited for before any output is read, so none outlives a failed one.
+    outputs = [p.communicate(timeout=args.seconds + 60)[0].decode(errors="replace") for p in running]
+    runs = [parse_wrk(output) for output in outputs]
     group.router_cpu += sum(r.cpu_seconds() for r in group.routers) - router_cpu
     group.harness_cpu += backends.cpu_seconds() + _children_cpu() - harness_cpu
     group.rates.append(sum(run.rate for run in runs))
@@ -199,8 +201,11 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         for router in routers:
             router.start(workdir)
         for router in routers:
-            procs.wait_listening(router.port, 30, router.process)
-            run_event_loop(wait_routable(router.port))
+            try:
+                procs.wait_listening(router.port, 30, router.process)
+                run_event_loop(wait_routable(router.port))
+            except RuntimeError as exc:
+                raise SystemExit(f"kvroute bench workers: {router.name}: {exc}: {router.log_tail()}") from exc
         for number in range(1, args.rounds + 1):
             # Each round starts one contender later, so none always runs first on a warm machine.
             shift = (number - 1) % len(groups)

@@ -145,3 +145,12 @@ def test_a_short_run_prints_the_three_contenders_without_errors(capsys: pytest.C
 def test_fewer_than_two_workers_is_refused() -> None:
     with pytest.raises(SystemExit, match="--workers must be 2 or more"):
         main(["--workers", "1"])
+
+
+def test_a_router_that_cannot_start_stops_the_run_with_its_own_words() -> None:
+    cpus = ["--proxy-cpu", "", "--workers-cpu", "", "--harness-cpu", ""]
+    with pytest.raises(SystemExit) as stopped:
+        main(["--rounds", "1", "--seconds", "1", "--policy", "no_such_policy", *cpus])
+    message = str(stopped.value)
+    assert message.startswith("kvroute bench workers: one process: exited with status")
+    assert "'prefix_aware'" in message  # the end of kvroute's line naming the policies it knows
