@@ -14,6 +14,7 @@ from pathlib import Path
 
 import yaml
 
+from loadtest.bench_workers import WRK_SCRIPT
 from loadtest.trace import DEFAULT_TRACE, read_trace
 from router.request_path.settings import RoutingConfig
 
@@ -84,5 +85,17 @@ def test_the_mooncake_trace_ships_with_its_licence_and_reads_compressed() -> Non
     assert "kvcache-ai/Mooncake" in (beside / "README.md").read_text()
     first = read_trace(DEFAULT_TRACE, limit=3)
     assert len(first) == 3 and first[0].hash_ids
-    pyproject = (ROOT / "pyproject.toml").read_text()
-    assert re.search(r'^loadtest = \["data/mooncake/\*"\]$', pyproject, flags=re.MULTILINE)
+    assert "data/mooncake/*" in _loadtest_package_data()
+
+
+def test_the_wrk_script_of_bench_workers_ships() -> None:
+    assert WRK_SCRIPT.parent == ROOT / "loadtest" and WRK_SCRIPT.is_file()
+    assert WRK_SCRIPT.name in _loadtest_package_data()
+
+
+def _loadtest_package_data() -> list[str]:
+    """The files pyproject.toml ships in the loadtest package beside its modules (a regex:
+    tomllib is not in Python 3.10, which kvroute supports)."""
+    line = re.search(r"^loadtest = \[(.*)\]$", (ROOT / "pyproject.toml").read_text(), flags=re.MULTILINE)
+    assert line, "pyproject.toml has no package-data line for loadtest"
+    return [entry.strip().strip('"') for entry in line.group(1).split(",")]
