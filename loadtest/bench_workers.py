@@ -6,8 +6,8 @@ Why a benchmark of its own: ``kvroute bench overhead`` drives proxies with a Pyt
 and Python null backends, which at a router's saturation rate take about a third of a core. On a
 machine of N cores, N workers then cannot have N cores, and their measured rate understates how
 they scale. Here the load generator is wrk (C; Debian's ``wrk``) and the backends are nginx
-answering from its config (:func:`loadtest.contenders.nginx_null_backends`): together a few
-percent of one core at these rates (the table's harness column says how much).
+answering from its config (:func:`loadtest.contenders.nginx_null_backends`): together about a
+tenth of a router's CPU per request (the table's harness column says how much).
 
 Contenders, interleaved over rounds, each saturated with ``--concurrency`` requests in flight per
 router process:
@@ -31,6 +31,7 @@ request, and errors. Exit status 1 if any request failed.
 from __future__ import annotations
 
 import argparse
+import os
 import resource
 import statistics
 import subprocess
@@ -77,9 +78,9 @@ def parse_wrk(stdout: str) -> WrkRun:
     return WrkRun(counts["requests"], counts["seconds"], errors)
 
 
-def wrk_command(port: int, concurrency: int, seconds: float, bodies: Path, cpus: str) -> list[str]:
+def wrk_command(port: int, concurrency: int, seconds: int, bodies: Path, cpus: str) -> list[str]:
     """One wrk thread keeping ``concurrency`` keep-alive connections busy for ``seconds``."""
-    command = [require("wrk"), "-t1", f"-c{concurrency}", f"-d{max(1, round(seconds))}s", "--timeout", "5s"]
+    command = [require("wrk"), "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "5s"]
     command += ["-s", str(WRK_SCRIPT), f"http://127.0.0.1:{port}", "--", str(bodies)]
     return procs.pinned(command, cpus)
 
@@ -101,6 +102,15 @@ class Group:
         return sum(router.processes for router in self.routers)
 
 
+def cpu_list(spec: str) -> set[int]:
+    """The CPUs of a taskset list such as ``0,1`` or ``0-3,6`` (empty: none given)."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -115,8 +125,14 @@ def measure(group: Group, backends: procs.Contender, args: argparse.Namespace, b
     router_cpu = sum(r.cpu_seconds() for r in group.routers)
     harness_cpu = backends.cpu_seconds() + _children_cpu()
     running = [subprocess.Popen(c, stdout=subprocess.PIPE, stderr=subprocess.STDOUT) for c in commands]
-    # Every wrk is waited for before any output is read, so none outlives a failed one.
-    outputs = [p.communicate(timeout=args.seconds + 60)[0].decode(errors="replace") for p in running]
+    try:
+        # Every wrk is waited for before any output is read, so none outlives a failed one.
+        outputs = [p.communicate(timeout=args.seconds + 60)[0].decode(errors="replace") for p in running]
+    finally:
+        for process in running:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
     runs = [parse_wrk(output) for output in outputs]
     group.router_cpu += sum(r.cpu_seconds() for r in group.routers) - router_cpu
     group.harness_cpu += backends.cpu_seconds() + _children_cpu() - harness_cpu
@@ -170,7 +186,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         raise SystemExit(f"kvroute bench workers: {backends.missing}")
     require("wrk")
     redis = RedisServer()
-    cores = args.workers_cpu.split(",")
+    cores = [str(core) for core in sorted(cpu_list(args.workers_cpu))] or [""]
     one = procs.kvroute(workdir, urls, args.proxy_cpu, policy=args.policy, name="one process")
     workers = procs.kvroute(
         workdir,
@@ -195,6 +211,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     try:
         backends.start(workdir)
         redis.start()
+        if args.workers_cpu:  # on the workers' cores: its CPU is theirs, and so is its core
+            os.sched_setaffinity(redis.process.pid, cpu_list(args.workers_cpu))
         workers.cpu_also_of.append(redis.process.pid)
         for port in ports:
             procs.wait_listening(port, 10, backends.process)
@@ -228,7 +246,7 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (N > 1)")
     parser.add_argument("--rounds", type=int, default=6, help="rounds over the three contenders")
-    parser.add_argument("--seconds", type=float, default=5.0, help="duration of each saturation run")
+    parser.add_argument("--seconds", type=int, default=5, help="duration of each saturation run (s)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per router process")
     parser.add_argument("--backends", type=int, default=2, help="null backends behind each router")
     parser.add_argument("--policy", default="latency", help="the routers' routing.policy")

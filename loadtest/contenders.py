@@ -248,8 +248,12 @@ def nginx(workdir: Path, backends: list[str], cpus: str | None) -> Contender:
 
 
 def _nginx_literal(body: bytes) -> str:
-    """``body`` as an nginx single-quoted string."""
-    return "'" + body.decode().replace("\\", "\\\\").replace("'", "\\'") + "'"
+    """``body`` as an nginx single-quoted string. nginx would read a ``$`` in it as a variable
+    and has no escape for one, so such a body is refused rather than served changed."""
+    text = body.decode()
+    if "$" in text:
+        raise ValueError(f"nginx cannot return a body containing '$' literally: {text[:80]!r}")
+    return "'" + text.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
 def nginx_null_backends(workdir: Path, ports: list[int], cpus: str | None) -> Contender:
