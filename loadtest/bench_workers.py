@@ -197,6 +197,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         redis_lookup="local",
         policy=args.policy,
         name=f"--workers {args.workers}",
+        sync_interval_ms=args.sync_interval_ms,
     )
     separate = [
         procs.kvroute(workdir, urls, cores[i % len(cores)], policy=args.policy, name=f"separate {i}")
@@ -250,6 +251,12 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per router process")
     parser.add_argument("--backends", type=int, default=2, help="null backends behind each router")
     parser.add_argument("--policy", default="latency", help="the routers' routing.policy")
+    parser.add_argument(
+        "--sync-interval-ms",
+        type=float,
+        default=None,
+        help="the workers' index.redis.sync_interval_ms (default: kvroute's, 5)",
+    )
     parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list of the one-process router")
     parser.add_argument(
         "--workers-cpu", default="0,1", help="CPU list of the workers and of the separate processes"

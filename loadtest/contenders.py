@@ -136,10 +136,12 @@ def kvroute(
     redis_lookup: str = "shared",
     policy: str = "prefix_aware",
     name: str | None = None,
+    sync_interval_ms: float | None = None,
 ) -> Contender:
     """kvroute routing with ``policy``; ``workers`` > 1 shares its index through ``redis_url``
     (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own). ``name`` replaces the
-    contender's name, which otherwise says what it runs.
+    contender's name, which otherwise says what it runs. ``sync_interval_ms`` sets
+    ``index.redis.sync_interval_ms`` (None: kvroute's default).
 
     ``access_log``: with ``logging.access_log`` on (one line per request to its log file), as
     the contender ``kvroute access-log``.
@@ -159,6 +161,8 @@ def kvroute(
     ]
     if redis_url:
         redis = f"url: '{redis_url}', lookup: {redis_lookup}, namespace: lookup-{redis_lookup}"
+        if sync_interval_ms is not None:
+            redis += f", sync_interval_ms: {sync_interval_ms}"
         lines.append(f"index: {{store: redis, redis: {{{redis}}}}}")
     if access_log:
         lines.append("logging: {access_log: true}")

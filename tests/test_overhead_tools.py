@@ -19,6 +19,7 @@ from loadtest.httpload import Client, build_request
 from loadtest.null_backend import STREAM_CHUNKS, serve
 from loadtest.overhead import request_bodies, top_functions
 from router.config import load_config
+from router.redis.settings import RedisConfig
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -216,3 +217,16 @@ async def test_router_never_replays_a_backends_cookies_to_other_clients(make_rou
         await runner.cleanup()
     assert first.ok and second.ok
     assert seen == [None, None]
+
+
+def test_the_workers_contender_sets_the_sync_interval_only_when_asked(tmp_path):
+    backends = ["http://127.0.0.1:9001"]
+    url = "redis://127.0.0.1:6390"
+    asked = procs.kvroute(
+        tmp_path, backends, None, workers=2, redis_url=url, redis_lookup="local", sync_interval_ms=20
+    )
+    default = procs.kvroute(tmp_path, backends, None, workers=2, redis_url=url, redis_lookup="local")
+    configs = [load_config(c.command[c.command.index("--config") + 1]) for c in (asked, default)]
+    assert [c.index.redis.lookup for c in configs] == ["local", "local"]
+    assert configs[0].index.redis.sync_interval_ms == 20
+    assert configs[1].index.redis.sync_interval_ms == RedisConfig().sync_interval_ms
