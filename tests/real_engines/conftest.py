@@ -1,7 +1,8 @@
 """Fixtures of the real-engine tests: two vLLM replicas (CPU build, tiny local model) per session.
 
 The replicas take 25-50 s to start and 2-3 GB each, so one pair serves every test of the session
-(tests that stop a replica start it again before they end). Every test here is marked
+(tests that stop a replica start it again before they end, and a fixture restarts any replica a
+failed test left down). Every test here is marked
 ``real_engine`` and runs after the rest of the suite. Without the engine's environment
 (``bash tests/real_engines/setup.sh``) they are skipped on a developer's machine, and fail in CI
 (``CI=true``): CI must never pass by skipping them.
@@ -47,6 +48,21 @@ def vllm_pair() -> Iterator[list[VllmReplica]]:
         for replica in replicas:
             replica.stop()
             replica.remove_files()
+
+
+@pytest.fixture(autouse=True)
+def replicas_up_after(request: pytest.FixtureRequest) -> Iterator[None]:
+    """After each test, start again any replica it left stopped (a test that stops one and fails
+    before its restart), so that one failure does not fail every later test with it."""
+    yield
+    if "vllm_pair" not in request.fixturenames:
+        return
+    pair: list[VllmReplica] = request.getfixturevalue("vllm_pair")
+    down = [r for r in pair if r.process is None or r.process.poll() is not None]
+    for replica in down:
+        replica.kill()  # reaps a leader that exited; its group's leftovers go with it
+    if down:
+        start_replicas(down)
 
 
 @pytest.fixture

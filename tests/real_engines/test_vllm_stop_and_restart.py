@@ -4,7 +4,8 @@ vLLM's default ``--shutdown-timeout 0`` aborts what it runs on SIGTERM. The stre
 was passing through ends promptly with the SSE error (not at the 600 s read timeout); requests
 sent meanwhile are all served, by the other replica; the health checks eject the stopped one and
 re-admit it once it is back, and precise mode resyncs with the new engine (its cache started
-empty) and learns what it holds again. Runs last: the replica is back up when it ends.
+empty) and learns what it holds again. The replica is back up when it ends (if it fails first,
+the conftest's fixture starts it again).
 """
 
 from __future__ import annotations
@@ -66,12 +67,12 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
     assert took < 15
     if events[-1] == b"data: [DONE]":
         # vLLM sometimes ends an aborted stream itself, cleanly, and the router passes it through
-        # unchanged: a chunk with finish_reason "abort" (or its own error event), then [DONE].
-        ending = [json.loads(e[len(b"data: ") :]) for e in events[-3:-1]]
-        assert any(
-            "error" in e or any(c.get("finish_reason") == "abort" for c in e.get("choices", []))
-            for e in ending
-        ), ending
+        # unchanged: mostly a chunk with finish_reason "abort" (or its own error event) before
+        # [DONE]; under CPU load it has also ended one with neither. Either way the generation was
+        # cut short: it never finished for its length.
+        chunks = [json.loads(e[len(b"data: ") :]) for e in events[:-1]]
+        reasons = [c.get("finish_reason") for chunk in chunks for c in chunk.get("choices", [])]
+        assert "length" not in reasons and len(reasons) < body["max_tokens"], reasons[-3:]
     else:
         assert json.loads(events[-1][len(b"data: ") :])["error"]["code"] == "upstream_stream_error"
     assert all(a.http_response.status_code == 200 for a in answers)
