@@ -78,6 +78,12 @@ def parse_wrk(stdout: str) -> WrkRun:
     return WrkRun(counts["requests"], counts["seconds"], errors)
 
 
+def write_bodies(path: Path, bodies: Sequence[bytes]) -> Path:
+    """The request bodies as :file:`loadtest/wrk_bodies.lua` reads them: one JSON body per line."""
+    path.write_bytes(b"".join(body + b"\n" for body in bodies))
+    return path
+
+
 def wrk_command(port: int, concurrency: int, seconds: int, bodies: Path, cpus: str) -> list[str]:
     """One wrk thread keeping ``concurrency`` keep-alive connections busy for ``seconds``."""
     command = [require("wrk"), "-t1", f"-c{concurrency}", f"-d{seconds}s", "--timeout", "5s"]
@@ -177,8 +183,7 @@ def workers_table(groups: Sequence[Group]) -> tuple[list[str], list[list[object]
 
 
 def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
-    bodies = workdir / "bodies.jsonl"
-    bodies.write_bytes(b"\n".join(request_bodies(False)) + b"\n")
+    bodies = write_bodies(workdir / "bodies.jsonl", request_bodies(False))
     ports = [procs.free_port() for _ in range(args.backends)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     backends = procs.nginx_null_backends(workdir, ports, args.harness_cpu)
@@ -186,7 +191,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         raise SystemExit(f"kvroute bench workers: {backends.missing}")
     require("wrk")
     redis = RedisServer()
-    cores = [str(core) for core in sorted(cpu_list(args.workers_cpu))] or [""]
+    workers_cores = cpu_list(args.workers_cpu)
+    cores = [str(core) for core in sorted(workers_cores)] or [""]
     one = procs.kvroute(workdir, urls, args.proxy_cpu, policy=args.policy, name="one process")
     workers = procs.kvroute(
         workdir,
@@ -212,8 +218,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     try:
         backends.start(workdir)
         redis.start()
-        if args.workers_cpu:  # on the workers' cores: its CPU is theirs, and so is its core
-            os.sched_setaffinity(redis.process.pid, cpu_list(args.workers_cpu))
+        if workers_cores:  # on the workers' cores: its CPU is theirs, and so is its core
+            os.sched_setaffinity(redis.process.pid, workers_cores)
         workers.cpu_also_of.append(redis.process.pid)
         for port in ports:
             procs.wait_listening(port, 10, backends.process)

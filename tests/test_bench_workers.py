@@ -15,7 +15,15 @@ from pathlib import Path
 import pytest
 
 from loadtest import contenders as procs
-from loadtest.bench_workers import Group, cpu_list, main, parse_wrk, workers_table, wrk_command
+from loadtest.bench_workers import (
+    Group,
+    cpu_list,
+    main,
+    parse_wrk,
+    workers_table,
+    write_bodies,
+    wrk_command,
+)
 from loadtest.httpload import Client, build_request
 from loadtest.null_backend import COMPLETION, GET_BODIES
 from loadtest.overhead import request_bodies
@@ -68,8 +76,7 @@ async def test_nginx_null_backends_answer_what_the_python_null_backend_answers(n
 
 
 def test_wrk_counts_requests(nginx_port: int, tmp_path: Path) -> None:
-    bodies = tmp_path / "bodies.jsonl"
-    bodies.write_bytes(b"\n".join(request_bodies(False, 4)) + b"\n")
+    bodies = write_bodies(tmp_path / "bodies.jsonl", request_bodies(False, 4))
     ok = subprocess.run(wrk_command(nginx_port, 4, 1, bodies, ""), capture_output=True, text=True, timeout=30)
     run = parse_wrk(ok.stdout)
     assert run.requests > 0 and run.errors == 0 and 0.5 < run.seconds < 30  # seconds, not µs
@@ -92,8 +99,7 @@ async def test_wrk_counts_error_answers_as_errors(tmp_path: Path) -> None:
                 await writer.drain()
 
     server = await asyncio.start_server(handle, "127.0.0.1", 0)
-    bodies = tmp_path / "bodies.jsonl"
-    bodies.write_bytes(b"\n".join(request_bodies(False, 2)) + b"\n")
+    bodies = write_bodies(tmp_path / "bodies.jsonl", request_bodies(False, 2))
     wrk = await asyncio.create_subprocess_exec(
         *wrk_command(server.sockets[0].getsockname()[1], 2, 1, bodies, ""), stdout=asyncio.subprocess.PIPE
     )
@@ -104,8 +110,7 @@ async def test_wrk_counts_error_answers_as_errors(tmp_path: Path) -> None:
 
 
 def test_wrk_refuses_an_empty_bodies_file(nginx_port: int, tmp_path: Path) -> None:
-    empty = tmp_path / "empty.jsonl"
-    empty.write_bytes(b"")
+    empty = write_bodies(tmp_path / "empty.jsonl", [])
     result = subprocess.run(
         wrk_command(nginx_port, 1, 1, empty, ""), capture_output=True, text=True, timeout=30
     )
@@ -113,8 +118,7 @@ def test_wrk_refuses_an_empty_bodies_file(nginx_port: int, tmp_path: Path) -> No
 
 
 def test_parse_wrk_fails_with_wrks_own_words_when_nothing_listens(tmp_path: Path) -> None:
-    bodies = tmp_path / "bodies.jsonl"
-    bodies.write_bytes(request_bodies(False, 1)[0] + b"\n")
+    bodies = write_bodies(tmp_path / "bodies.jsonl", request_bodies(False, 1))
     refused = subprocess.run(
         wrk_command(procs.free_port(), 1, 1, bodies, ""), capture_output=True, text=True, timeout=30
     )
