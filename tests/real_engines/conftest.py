@@ -12,11 +12,16 @@ from __future__ import annotations
 
 import os
 from collections.abc import AsyncIterator, Iterator
+from typing import Any
 
+import aiohttp
 import pytest
 from openai import AsyncOpenAI
 
 from loadtest.vllm_replicas import VllmReplica, engine_installed, engine_python, start_replicas
+from router.http.server import RouterServer
+from tests.helpers import MakeRouter
+from tests.real_engines.traffic import in_rotation
 
 HERE = os.path.dirname(__file__)
 
@@ -63,6 +68,19 @@ def replicas_up_after(request: pytest.FixtureRequest) -> Iterator[None]:
         replica.kill()  # reaps a leader that exited; its group's leftovers go with it
     if down:
         start_replicas(down)
+
+
+@pytest.fixture
+def make_router(make_router: MakeRouter, http: aiohttp.ClientSession) -> MakeRouter:
+    """The suite's ``make_router``, returning once every configured backend is in rotation, so
+    that no test's first request meets a replica the router has not admitted yet."""
+
+    async def make(backends: list[dict[str, Any]], **sections: Any) -> RouterServer:
+        router = await make_router(backends, **sections)
+        await in_rotation(http, router.admin_url, [b["name"] for b in backends])
+        return router
+
+    return make
 
 
 @pytest.fixture

@@ -38,12 +38,14 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
     )
     before = await backend_view(http, router.admin_url, "e0")
     assert before["engine_capacity_tokens"] == engine_capacity_tokens(e0) == 1024 * BLOCK_SIZE
-    # A long generation straight to e0 keeps it running a request with blocks in use.
+    # A long generation straight to e0 keeps it running a request with blocks in use: a short
+    # prompt leaves it most of the 2048-token context (about 8 s here), so that it still runs when
+    # the assertions below read it, on a loaded machine too (with a 600-word prompt it did not).
     direct = openai_client.with_options(base_url=f"{e0.url}/v1")
     stream = await direct.completions.create(
         model=SERVED_MODEL,
-        prompt=text(700, 600),
-        max_tokens=1500,
+        prompt=text(700, 100),
+        max_tokens=1900,
         temperature=0,
         stream=True,
         extra_body={"ignore_eos": True},

@@ -55,6 +55,19 @@ async def backend_view(http: aiohttp.ClientSession, admin_url: str, name: str) -
         return next(b for b in (await resp.json())["backends"] if b["name"] == name)
 
 
+async def in_rotation(http: aiohttp.ClientSession, admin_url: str, names: list[str]) -> None:
+    """Until the router at ``admin_url`` has every backend of ``names`` in rotation: a replica
+    restarted just before (by a test, or the conftest's fixture) has missed a new router's first
+    health check under CPU load, and would then wait out ``health.interval_s`` for the next."""
+
+    async def routable() -> bool:
+        async with http.get(f"{admin_url}/admin/backends") as resp:
+            views = {b["name"]: b for b in (await resp.json())["backends"]}
+        return all(views[name]["routable"] for name in names)
+
+    await wait_for(routable, timeout=30, what="every replica in the router's rotation")
+
+
 @dataclass
 class Exchange:
     backend: str
