@@ -101,6 +101,26 @@ async def test_a_busy_replica_appends_one_batch_per_sync_interval(redis_server, 
     assert redis_server.client().xlen("{kvroute}:beliefs") <= 5
 
 
+async def test_the_stream_keeps_a_ttl_renewed_every_half_ttl_not_with_each_append(
+    redis_server, fleet, make_router, http
+):
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server, key_ttl_s=2))
+    client = redis_server.client()
+    stream = "{kvroute}:beliefs"
+    assert (await chat(http, one.url, "turn one")).status == 200
+    await wait_for(lambda: client.xlen(stream) >= 1, what="the first belief on the stream")
+    assert 0 < client.pttl(stream) <= 2000
+    # Within half the TTL an append leaves the TTL alone (one command, not two, per append) ...
+    client.persist(stream)
+    assert (await chat(http, one.url, "turn two")).status == 200
+    await wait_for(lambda: client.xlen(stream) >= 2, what="the second belief on the stream")
+    assert client.pttl(stream) == -1
+    # ... and the first append past it renews the TTL, so an abandoned namespace still expires.
+    await asyncio.sleep(1.0)
+    assert (await chat(http, one.url, "turn three")).status == 200
+    await wait_for(lambda: client.pttl(stream) > 0, what="the TTL renewed")
+
+
 async def test_a_starting_replica_replays_what_the_stream_keeps(redis_server, fleet, make_router, http):
     one = await make_router(backends_of(fleet), index=synced_index(redis_server))
     backend = (await chat(http, one.url, "turn one")).headers["x-kvroute-backend"]
