@@ -19,7 +19,10 @@ router process:
   the Redis server's CPU counted as theirs;
 - ``N separate processes``: N one-process routers with no shared index, pinned one per core of
   ``--workers-cpu``, each with its own wrk: the most N router processes reach on these cores
-  with this harness, so the workers' ceiling.
+  with this harness, so the workers' ceiling;
+- with ``--baseline DIR``, ``--workers N (baseline)``: the same workers run from another source
+  tree (``git worktree add /tmp/before HEAD~1``) with a Redis namespace of their own, so a
+  change to the workers is measured against its parent in the same rounds.
 
 The routers route with ``--policy`` over the overhead benchmark's request bodies (a few shared
 prefixes: hashing, matching and recording to do). The table gives each round's rate, their median,
@@ -214,13 +217,29 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         Group(workers.name, [workers]),
         Group(f"{args.workers} separate processes", separate),
     ]
-    routers = [one, workers, *separate]
+    if args.baseline:
+        baseline = procs.kvroute(
+            workdir,
+            urls,
+            args.workers_cpu,
+            workers=args.workers,
+            redis_url=redis.url,
+            redis_lookup="local",
+            policy=args.policy,
+            name=f"--workers {args.workers} (baseline)",
+            sync_interval_ms=args.sync_interval_ms,
+            checkout=Path(args.baseline),
+        )
+        groups.append(Group(baseline.name, [baseline]))
+    routers = [router for group in groups for router in group.routers]
     try:
         backends.start(workdir)
         redis.start()
         if workers_cores:  # on the workers' cores: its CPU is theirs, and so is its core
             os.sched_setaffinity(redis.process.pid, workers_cores)
-        workers.cpu_also_of.append(redis.process.pid)
+        for router in routers:
+            if router.processes > 1:  # the workers, and the baseline's
+                router.cpu_also_of.append(redis.process.pid)
         for port in ports:
             procs.wait_listening(port, 10, backends.process)
         for router in routers:
@@ -252,7 +271,7 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
         description="kvroute serve --workers N against one process, with wrk and nginx as the harness.",
     )
     parser.add_argument("--workers", type=int, default=2, help="worker processes (N > 1)")
-    parser.add_argument("--rounds", type=int, default=6, help="rounds over the three contenders")
+    parser.add_argument("--rounds", type=int, default=6, help="rounds over the contenders")
     parser.add_argument("--seconds", type=int, default=5, help="duration of each saturation run (s)")
     parser.add_argument("--concurrency", type=int, default=32, help="requests in flight per router process")
     parser.add_argument("--backends", type=int, default=2, help="null backends behind each router")
@@ -268,6 +287,9 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
         "--workers-cpu", default="0,1", help="CPU list of the workers and of the separate processes"
     )
     parser.add_argument("--harness-cpu", default="0", help="CPU list of wrk and the nginx backends")
+    parser.add_argument(
+        "--baseline", default="", help="another kvroute source tree: its workers are a fourth contender"
+    )
     return parser
 
 

@@ -139,8 +139,9 @@ def kvroute(
     sync_interval_ms: float | None = None,
 ) -> Contender:
     """kvroute routing with ``policy``; ``workers`` > 1 shares its index through ``redis_url``
-    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own). ``name`` replaces the
-    contender's name, which otherwise says what it runs. ``sync_interval_ms`` sets
+    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own: an idle contender
+    sharing a stream with a busy one would spend its cores applying the busy one's beliefs).
+    ``name`` replaces the contender's name, which otherwise says what it runs. ``sync_interval_ms`` sets
     ``index.redis.sync_interval_ms`` (None: kvroute's default).
 
     ``access_log``: with ``logging.access_log`` on (one line per request to its log file), as
@@ -160,7 +161,7 @@ def kvroute(
         f"routing: {{policy: {policy}}}",
     ]
     if redis_url:
-        redis = f"url: '{redis_url}', lookup: {redis_lookup}, namespace: lookup-{redis_lookup}"
+        redis = f"url: '{redis_url}', lookup: {redis_lookup}, namespace: lookup-{redis_lookup}-{port}"
         if sync_interval_ms is not None:
             redis += f", sync_interval_ms: {sync_interval_ms}"
         lines.append(f"index: {{store: redis, redis: {{{redis}}}}}")

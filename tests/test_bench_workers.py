@@ -142,12 +142,15 @@ def test_table_compares_each_round_with_the_same_rounds_one_process() -> None:
     assert rows[1][headers.index("errors")] == 2
 
 
-def test_a_short_run_prints_the_three_contenders_without_errors(capsys: pytest.CaptureFixture[str]) -> None:
+def test_a_short_run_prints_the_contenders_without_errors(capsys: pytest.CaptureFixture[str]) -> None:
     cpus = ["--proxy-cpu", "", "--workers-cpu", "", "--harness-cpu", ""]
-    assert main(["--rounds", "1", "--seconds", "1", "--concurrency", "4", *cpus]) == 0
+    # This very tree as the baseline: the fourth contender runs from a source tree it is given.
+    baseline = ["--baseline", str(Path(__file__).resolve().parents[1])]
+    assert main(["--rounds", "1", "--seconds", "1", "--concurrency", "4", *cpus, *baseline]) == 0
     out = capsys.readouterr().out
     table = out[out.index("contender") :].splitlines()[2:]
-    assert [row.split("  ")[0] for row in table] == ["one process", "--workers 2", "2 separate processes"]
+    names = [row.split("  ")[0] for row in table]
+    assert names == ["one process", "--workers 2", "2 separate processes", "--workers 2 (baseline)"]
     for row in table:
         assert row.split()[-1] == "0"  # errors
 
