@@ -49,6 +49,7 @@ from router.request_path.context import RequestContext
 from router.request_path.disaggregated import Pairs, is_role_split
 from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
+from router.request_path.pick import pick
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 from router.request_path.warmup import Warmups
@@ -103,7 +104,7 @@ class Dispatcher:
         self._balancer = LeastLoad(seed=config.routing.seed)
         #: Chooses decode engines for models served by prefill/decode pairs (its own reload rule).
         self.decode_policy = config.decode_policy
-        self.pairs = Pairs(self.books, proxy, metrics)
+        self.pairs = Pairs(self.books, proxy, metrics, self._balancer)
         #: Prefix copies a policy asks for beside a request (router/request_path/warmup.py).
         self.warmups = Warmups(self.books, proxy, metrics, self.keyer)
 
@@ -260,10 +261,10 @@ class Dispatcher:
     def _choose(
         self, route: _Route, view: RequestView, candidates: list[Backend]
     ) -> tuple[Backend, Decision]:
-        """The policy's pick among the candidates' views (the scorers and the picker)."""
+        """The policy's pick among the candidates' views (least_load's if the policy fails)."""
         blocks_of, matches = self.index.blocks_of, route.matches
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
-        decision = route.policy.choose(view, views)
+        backend, decision = pick(route.policy, self._balancer, route.label, view, candidates, views)
         self.metrics.decisions_by(route.label, decision.reason).inc()
         self.metrics.matched_tokens_by(view.model).inc(decision.matched_blocks * view.block_tokens)
         log.debug(
@@ -274,10 +275,7 @@ class Dispatcher:
             decision.matched_blocks,
             len(view.chain),
         )
-        for backend in candidates:
-            if backend.name == decision.backend:
-                return backend, decision
-        raise RuntimeError(f"policy {route.label} chose {decision.backend!r}, not a candidate")
+        return backend, decision
 
     def _exhausted(self, failures: list[str], deadline: float) -> OpenAIError:
         """The error when no attempt is left: the deadline passed (504), or no backend could (502)."""
