@@ -101,6 +101,46 @@ async def test_a_busy_replica_appends_one_batch_per_sync_interval(redis_server, 
     assert redis_server.client().xlen("{kvroute}:beliefs") <= 5
 
 
+async def redis_calls(http: aiohttp.ClientSession, url: str, op: str) -> float:
+    return total(await scrape(http, url), "kvroute_redis_latency_seconds_count", op=op)
+
+
+async def test_a_busy_replica_reads_the_stream_in_the_round_trip_of_its_appends(
+    redis_server, fleet, make_router, http
+):
+    """One round trip per interval, not two: while the writer appends, it also takes the other
+    replicas' entries, and the blocking reader stays out; once it is quiet, the reader reads."""
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server, sync_interval_ms=50))
+    two = await make_router(backends_of(fleet), index=synced_index(redis_server))
+    assert (await chat(http, two.url, "from the other replica")).status == 200
+    await wait_for(lambda: peer_updates(http, one.url), what="the first replica to take the other's")
+    reads, appends = await redis_calls(http, one.url, "sync"), await redis_calls(http, one.url, "record")
+    for i in range(60):
+        assert (await chat(http, one.url, f"busy {i} " * 40)).status == 200
+    busy_reads = await redis_calls(http, one.url, "sync") - reads
+    # Here 60 requests took about 0.4 s: 9 appends, each of which the reader had matched with a
+    # read of its own. Now: the blocking read that was waiting when the spell began, woken by
+    # its first append, and one more should the machine stall past two intervals.
+    assert await redis_calls(http, one.url, "record") - appends >= 4
+    assert busy_reads <= 2
+    # The other replica's belief, appended during the spell, is taken by the writer's reads.
+    await chat(http, two.url, "the other replica, again")
+    await wait_for(lambda: peer_updates_at_least(http, one.url, 2), what="the writer to take it")
+    # Quiet again: the reader takes over.
+    await wait_for(
+        lambda: redis_calls_above(http, one.url, "sync", reads + busy_reads),
+        what="the blocking reader back once the writer is quiet",
+    )
+
+
+async def peer_updates_at_least(http: aiohttp.ClientSession, url: str, count: int) -> bool:
+    return await peer_updates(http, url) >= count
+
+
+async def redis_calls_above(http: aiohttp.ClientSession, url: str, op: str, count: float) -> bool:
+    return await redis_calls(http, url, op) > count
+
+
 async def test_the_stream_keeps_a_ttl_renewed_every_half_ttl_not_with_each_append(
     redis_server, fleet, make_router, http
 ):
@@ -110,7 +150,7 @@ async def test_the_stream_keeps_a_ttl_renewed_every_half_ttl_not_with_each_appen
     assert (await chat(http, one.url, "turn one")).status == 200
     await wait_for(lambda: client.xlen(stream) >= 1, what="the first belief on the stream")
     assert 0 < client.pttl(stream) <= 2000
-    # Within half the TTL an append leaves the TTL alone (one command, not two, per append) ...
+    # Within half the TTL an append leaves the TTL alone (no PEXPIRE with every append) ...
     client.persist(stream)
     assert (await chat(http, one.url, "turn two")).status == 200
     await wait_for(lambda: client.xlen(stream) >= 2, what="the second belief on the stream")

@@ -1,4 +1,4 @@
-"""The shared index and load view on Redis Sentinel and on a 3-master Redis Cluster."""
+"""The shared index, the synced index and the load view on Redis Sentinel and on a 3-master Redis Cluster."""
 
 from __future__ import annotations
 
@@ -9,7 +9,9 @@ import pytest
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
-from tests.helpers import open_index, sample, wait_for
+from router.index.build import build_index
+from router.metrics import RouterMetrics
+from tests.helpers import open_index, redis_index_config, sample, wait_for
 from tests.redis_servers import RedisClusterServers, RedisSentinel, redis_server
 
 
@@ -40,11 +42,32 @@ async def exercise(redis: dict) -> None:
         assert pool_two["a"].remote_in_flight == 2
 
 
+async def exercise_synced(redis: dict) -> None:
+    """Two routers' ``lookup: local`` indexes through ``redis``: a belief of one reaches the other
+    over the stream (appended and read in one pipeline, then by the blocking reader)."""
+    indexes = [build_index(redis_index_config({**redis, "lookup": "local"}), RouterMetrics()) for _ in "12"]
+    for index in indexes:
+        index.add_backend("a", 1000)
+        await index.start()
+    one, two = indexes
+    try:
+        one.record("a", [1, 2, 3])
+
+        async def taken() -> bool:
+            return await two.match([1, 2, 3, 4], ["a"]) == {"a": 3}
+
+        await wait_for(taken, what="the belief taken by the other replica")
+    finally:
+        for index in indexes:
+            await index.close()
+
+
 async def test_sentinel():
     with redis_server() as master:
         sentinel = RedisSentinel(master).start()
         try:
             await exercise({"url": "redis://", "sentinels": [f"127.0.0.1:{sentinel.port}"]})
+            await exercise_synced({"url": "redis://", "sentinels": [f"127.0.0.1:{sentinel.port}"]})
             assert master.client().exists("{kvroute}:blocks:a") == 1
         finally:
             sentinel.close()
@@ -86,6 +109,7 @@ async def test_sentinel_failover_moves_the_shared_state_to_the_new_master():
 
 async def test_cluster(cluster):
     await exercise({"url": cluster.url, "cluster": True, "namespace": "clustered"})
+    await exercise_synced({"url": cluster.url, "cluster": True, "namespace": "clustered"})
     # Every key of the namespace is in one slot, on one master: one script reaches them all.
     holders = [node for node in cluster.nodes if node.client().dbsize() > 0]
     assert len(holders) == 1

@@ -22,10 +22,12 @@ replica's beliefs wait in the bounded write queue; the others' are missed until 
 from __future__ import annotations
 
 import asyncio
+import math
 import struct
 import time
 from collections.abc import Callable, Sequence
 from functools import partial
+from typing import Any
 
 import msgspec
 from prometheus_client import CollectorRegistry
@@ -68,11 +70,16 @@ class SyncedIndex(MemoryIndex):
         self._tasks: list[asyncio.Task[None]] = []
         #: Until when the stream's last TTL renewal leaves it at least half its TTL (monotonic).
         self._ttl_renewed_until = 0.0
+        #: The newest stream entry taken here, as (milliseconds, sequence): reads resume after it,
+        #: and an entry two overlapping reads both return is applied once.
+        self._last = (0, 0)
+        #: When the writer last read the stream along with its append (monotonic).
+        self._exchanged_at = -math.inf
 
     async def start(self) -> None:
         self._tasks = [
             asyncio.create_task(
-                self.queue.run(self._flush_once, interval_s=self._sync_interval),
+                self.queue.run(self._exchange_once, interval_s=self._sync_interval),
                 name="kvroute-redis-sync-writer",
             ),
             asyncio.create_task(self._read_loop(), name="kvroute-redis-sync-reader"),
@@ -97,27 +104,52 @@ class SyncedIndex(MemoryIndex):
     def _background_timeout(self) -> float:
         return self.config.background_timeout_ms / 1000
 
-    async def _flush_once(self) -> None:
-        """Append one batch of this replica's beliefs to the stream: one round trip (two every half TTL)."""
+    async def _exchange_once(self) -> None:
+        """Append one batch of this replica's beliefs and take what the stream gained since the
+        last read, in one round trip: a busy replica's writer is its reader too. Separate, each
+        worker of ``--workers 2`` made an XADD and an XREAD every interval, which with the TTL
+        renewed on each append took about 7 % of its CPU (py-spy under ``kvroute bench workers``).
+        The stream's TTL (it lets an abandoned namespace expire) rides along every half TTL."""
         batch = self.queue.take_batch()
         fields = {"r": self.id, "b": _encode([(backend, pack_chain(chain)) for backend, chain in batch])}
+        since = self._last_id
+        renew = time.monotonic() >= self._ttl_renewed_until
 
-        async def append() -> None:
-            await self.link.client.xadd(
-                self.stream, fields, maxlen=self.config.stream_length, approximate=True
-            )
-            # The stream's TTL (it lets an abandoned namespace expire) is renewed every half TTL,
-            # not with each append: a pipeline of both was a third of the Redis calls' CPU in a
-            # worker (py-spy under ``kvroute bench workers``).
-            now = time.monotonic()
-            if now >= self._ttl_renewed_until:
-                await self.link.client.pexpire(self.stream, int(self.config.key_ttl_s * 1000))
-                self._ttl_renewed_until = now + self.config.key_ttl_s / 2
+        async def exchange() -> Any:
+            async with self.link.client.pipeline(transaction=False) as pipe:
+                pipe.xadd(self.stream, fields, maxlen=self.config.stream_length, approximate=True)
+                pipe.xread({self.stream: since}, count=READ_COUNT)
+                if renew:
+                    pipe.pexpire(self.stream, int(self.config.key_ttl_s * 1000))
+                return (await pipe.execute())[1]
 
         try:
-            await self.link.call("record", append, self._background_timeout)
+            reply = await self.link.call("record", exchange, self._background_timeout)
         except RedisUnavailable:
             self.metrics.dropped_updates.labels("redis_unavailable").inc(len(batch))
+            return
+        now = time.monotonic()
+        if renew:
+            self._ttl_renewed_until = now + self.config.key_ttl_s / 2
+        self._exchanged_at = now
+        self._take(reply)
+
+    @property
+    def _last_id(self) -> str:
+        return f"{self._last[0]}-{self._last[1]}"
+
+    def _take(self, reply: Any) -> bool:
+        """Apply the other replicas' entries of an XREAD reply not taken yet; whether it had any."""
+        entries = [entry for _stream, stream_entries in reply or () for entry in stream_entries]
+        for entry_id, fields in entries:
+            millis, _, sequence = entry_id.partition(b"-")
+            key = (int(millis), int(sequence))
+            if key <= self._last:
+                continue
+            self._last = key
+            if fields.get(b"r", b"").decode() != self.id:
+                self.metrics.peer_updates.inc(self.apply(fields.get(b"b", b"\x90")))
+        return bool(entries)
 
     @property
     def _sync_interval(self) -> float:
@@ -127,29 +159,34 @@ class SyncedIndex(MemoryIndex):
         return self.config.sync_interval_ms / 1000
 
     async def _read_loop(self) -> None:
-        """Apply the other replicas' batches as they arrive, from the oldest the stream keeps.
+        """Take the other replicas' batches while this replica has none of its own to append
+        (the writer reads with each append), from the oldest the stream keeps: a blocking read,
+        which wakes as soon as anything is appended.
 
         After an outage the read resumes where it stopped; what the stream trimmed meanwhile
         is missed, and only costs hits until those prefixes are routed again.
         """
-        last = "0-0"
         timeout = self._background_timeout + READ_BLOCK_MS / 1000
+        # The writer exchanges every interval while it has beliefs to append; past two intervals
+        # without one it has gone quiet.
+        writer_quiet_after = 2 * self._sync_interval
         while True:
             if not self.link.up:
                 await asyncio.sleep(self.config.retry_interval_s)
                 continue
-            read = partial(self.link.client.xread, {self.stream: last}, count=READ_COUNT, block=READ_BLOCK_MS)
+            since_exchange = time.monotonic() - self._exchanged_at
+            if since_exchange < writer_quiet_after:
+                await asyncio.sleep(writer_quiet_after - since_exchange)
+                continue
+            read = partial(
+                self.link.client.xread, {self.stream: self._last_id}, count=READ_COUNT, block=READ_BLOCK_MS
+            )
             try:
                 reply = await self.link.call("sync", read, timeout)
             except RedisUnavailable:
                 await asyncio.sleep(self.config.retry_interval_s)
                 continue
-            for _stream, entries in reply or ():
-                for entry_id, fields in entries:
-                    last = entry_id
-                    if fields.get(b"r", b"").decode() != self.id:
-                        self.metrics.peer_updates.inc(self.apply(fields.get(b"b", b"\x90")))
-            if reply:
+            if self._take(reply):
                 await asyncio.sleep(self._sync_interval)
 
     async def close(self) -> None:
@@ -157,7 +194,7 @@ class SyncedIndex(MemoryIndex):
         for task in self._tasks:
             await stop_task(task)
         self._tasks = []
-        await self.queue.drain(self._flush_once)
+        await self.queue.drain(self._exchange_once)
         await self.link.close()
 
 
