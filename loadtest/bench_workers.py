@@ -42,6 +42,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 import orjson
@@ -197,7 +198,8 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     workers_cores = cpu_list(args.workers_cpu)
     cores = [str(core) for core in sorted(workers_cores)] or [""]
     one = procs.kvroute(workdir, urls, args.proxy_cpu, policy=args.policy, name="one process")
-    workers = procs.kvroute(
+    workers_of = partial(
+        procs.kvroute,
         workdir,
         urls,
         args.workers_cpu,
@@ -205,9 +207,9 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         redis_url=redis.url,
         redis_lookup="local",
         policy=args.policy,
-        name=f"--workers {args.workers}",
         sync_interval_ms=args.sync_interval_ms,
     )
+    workers = workers_of(name=f"--workers {args.workers}")
     separate = [
         procs.kvroute(workdir, urls, cores[i % len(cores)], policy=args.policy, name=f"separate {i}")
         for i in range(args.workers)
@@ -218,18 +220,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         Group(f"{args.workers} separate processes", separate),
     ]
     if args.baseline:
-        baseline = procs.kvroute(
-            workdir,
-            urls,
-            args.workers_cpu,
-            workers=args.workers,
-            redis_url=redis.url,
-            redis_lookup="local",
-            policy=args.policy,
-            name=f"--workers {args.workers} (baseline)",
-            sync_interval_ms=args.sync_interval_ms,
-            checkout=Path(args.baseline),
-        )
+        baseline = workers_of(name=f"--workers {args.workers} (baseline)", checkout=Path(args.baseline))
         groups.append(Group(baseline.name, [baseline]))
     routers = [router for group in groups for router in group.routers]
     try:
