@@ -11,7 +11,8 @@ import pytest
 
 from loadtest.sim.fleet import SimFleet
 from policies.routing.base import RoutingPolicy
-from policies.types import BackendView, Decision, RequestView
+from policies.types import BackendView, Decision, Outcome, RequestView
+from router.http.app import DISPATCHER
 from router.http.server import RouterServer
 from tests.helpers import FAST, MakeRouter, backends_of, scrape, total, wait_released
 from tests.test_disaggregation import pd_backends
@@ -56,9 +57,33 @@ async def test_a_failing_policy_fails_no_request_and_is_counted(
     assert len({a.headers["x-kvroute-backend"] for a in answers}) > 1
     samples = await scrape(http, router.url)
     assert total(samples, "kvroute_routing_decisions_total", reason="policy_error") == 6
-    assert caplog.text.count(f"policy {policy.__name__} failed to choose a backend") == 6
+    # One traceback, not one per request: the counter has every one.
+    assert caplog.text.count(f"policy {policy.__name__} failed to choose a backend") == 1
     assert "Traceback" in caplog.text
     await wait_released(http, router.url)
+
+
+class RaisingLearner(Raising):
+    """Fails to choose, and keeps what it is told."""
+
+    def __init__(self, params=None, *, seed=None) -> None:
+        super().__init__(params, seed=seed)
+        self.outcomes: list[Outcome] = []
+
+    def on_outcome(self, outcome: Outcome) -> None:
+        self.outcomes.append(outcome)
+
+
+async def test_a_learning_policy_is_not_told_of_requests_it_did_not_route(
+    fleet: SimFleet, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    router = await make_router(
+        backends_of(fleet), routing={"policy": f"{__name__}:{RaisingLearner.__name__}"}
+    )
+    assert (await completion(http, router, "a prompt " * 50)).status == 200
+    await wait_released(http, router.url)
+    policy = router.app[DISPATCHER].policy
+    assert isinstance(policy, RaisingLearner) and policy.outcomes == []
 
 
 async def test_a_failing_decode_policy_still_serves_through_a_pair(

@@ -120,9 +120,10 @@ async def test_a_busy_replica_reads_the_stream_in_the_round_trip_of_its_appends(
     busy_reads = await redis_calls(http, one.url, "sync") - reads
     # Here 60 requests took about 0.4 s: 9 appends, each of which the reader had matched with a
     # read of its own. Now: the blocking read that was waiting when the spell began, woken by
-    # its first append, and one more should the machine stall past two intervals.
-    assert await redis_calls(http, one.url, "record") - appends >= 4
-    assert busy_reads <= 2
+    # its first append (and one more each time a loaded machine stalls past two intervals).
+    busy_appends = await redis_calls(http, one.url, "record") - appends
+    assert busy_appends >= 4
+    assert busy_reads <= busy_appends / 3
     # The other replica's belief, appended during the spell, is taken by the writer's reads.
     await chat(http, two.url, "the other replica, again")
     await wait_for(lambda: peer_updates_at_least(http, one.url, 2), what="the writer to take it")
@@ -144,21 +145,25 @@ async def redis_calls_above(http: aiohttp.ClientSession, url: str, op: str, coun
 async def test_the_stream_keeps_a_ttl_renewed_every_half_ttl_not_with_each_append(
     redis_server, fleet, make_router, http
 ):
-    one = await make_router(backends_of(fleet), index=synced_index(redis_server, key_ttl_s=2))
+    one = await make_router(backends_of(fleet), index=synced_index(redis_server, key_ttl_s=6))
     client = redis_server.client()
     stream = "{kvroute}:beliefs"
     assert (await chat(http, one.url, "turn one")).status == 200
     await wait_for(lambda: client.xlen(stream) >= 1, what="the first belief on the stream")
-    assert 0 < client.pttl(stream) <= 2000
-    # Within half the TTL an append leaves the TTL alone (no PEXPIRE with every append) ...
+    assert 0 < client.pttl(stream) <= 6000
+    # Within half the TTL (3 s) an append leaves the TTL alone (no PEXPIRE with every append) ...
     client.persist(stream)
     assert (await chat(http, one.url, "turn two")).status == 200
     await wait_for(lambda: client.xlen(stream) >= 2, what="the second belief on the stream")
     assert client.pttl(stream) == -1
+
     # ... and the first append past it renews the TTL, so an abandoned namespace still expires.
-    await asyncio.sleep(1.0)
-    assert (await chat(http, one.url, "turn three")).status == 200
-    await wait_for(lambda: client.pttl(stream) > 0, what="the TTL renewed")
+    async def renewed(turn: list[int] = [2]) -> bool:  # noqa: B006 (the turn count, kept between polls)
+        turn[0] += 1
+        assert (await chat(http, one.url, f"turn {turn[0]}")).status == 200
+        return client.pttl(stream) > 0
+
+    await wait_for(renewed, timeout=10, what="the TTL renewed")
 
 
 async def test_a_starting_replica_replays_what_the_stream_keeps(redis_server, fleet, make_router, http):

@@ -43,8 +43,8 @@ async def exercise(redis: dict) -> None:
 
 
 async def exercise_synced(redis: dict) -> None:
-    """Two routers' ``lookup: local`` indexes through ``redis``: a belief of one reaches the other
-    over the stream (appended and read in one pipeline, then by the blocking reader)."""
+    """Two routers' ``lookup: local`` indexes through ``redis``: each one's belief reaches the other
+    over the stream (taken by the pipelined read of an append, or by the blocking reader)."""
     indexes = [build_index(redis_index_config({**redis, "lookup": "local"}), RouterMetrics()) for _ in "12"]
     for index in indexes:
         index.add_backend("a", 1000)
@@ -52,11 +52,14 @@ async def exercise_synced(redis: dict) -> None:
     one, two = indexes
     try:
         one.record("a", [1, 2, 3])
+        two.record("a", [7, 8])
 
         async def taken() -> bool:
-            return await two.match([1, 2, 3, 4], ["a"]) == {"a": 3}
+            return await two.match([1, 2, 3, 4], ["a"]) == {"a": 3} and await one.match([7, 8], ["a"]) == {
+                "a": 2
+            }
 
-        await wait_for(taken, what="the belief taken by the other replica")
+        await wait_for(taken, what="each belief taken by the other replica")
     finally:
         for index in indexes:
             await index.close()

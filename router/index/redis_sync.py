@@ -127,6 +127,9 @@ class SyncedIndex(MemoryIndex):
             reply = await self.link.call("record", exchange, self._background_timeout)
         except RedisUnavailable:
             self.metrics.dropped_updates.labels("redis_unavailable").inc(len(batch))
+            # A Redis that comes back may have lost the stream, and the next append would make
+            # it anew without a TTL: renew it with that append.
+            self._ttl_renewed_until = 0.0
             return
         now = time.monotonic()
         if renew:

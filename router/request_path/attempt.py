@@ -52,6 +52,7 @@ from router.metrics import RouterMetrics
 from router.request_path.beliefs import BeliefCheck, ClosedLoop
 from router.request_path.context import REQUEST_ID_HEADER, RequestContext
 from router.request_path.endpoints import STREAM_USAGE_OPTION
+from router.request_path.pick import POLICY_ERROR
 from router.request_path.proxy import UpstreamFailed
 from router.request_path.request import RoutableRequest
 from router.request_path.usage import CachedTokensScan, ResponseTap
@@ -149,7 +150,8 @@ class Attempt:
     ) -> None:
         """``learns``: tell the policy how this attempt ended (False when the policy did not
         choose it: an endpoint balanced by load, router/request_path/endpoints.py; nor a pair's
-        decode side, chosen by the decode policy). ``side``: one side of a prefill/decode pair."""
+        decode side, chosen by the decode policy; nor a ``policy_error``'s, chosen by least_load).
+        ``side``: one side of a prefill/decode pair."""
         name = backend.name
         started = context.started
         chain = view.chain
@@ -169,7 +171,8 @@ class Attempt:
         self._view = view
         self._started = started
         self._matched_tokens = matched_tokens
-        self._learner = books.learner if learns else None
+        # A policy that failed to choose (router/request_path/pick.py) did not choose this one.
+        self._learner = books.learner if learns and decision.reason != POLICY_ERROR else None
         self._context = context
         #: When this attempt was sent, for the outcome's time to first token: a backend that
         #: took over after a failed attempt is not charged that attempt's wait. (The TTFT

@@ -50,7 +50,7 @@ from router.metrics import RouterMetrics
 from router.request_path.attempt import Attempt, AttemptBooks, PairSide
 from router.request_path.context import REQUEST_ID_HEADER, RequestContext
 from router.request_path.handoff import Handoff, SGLangHandoff, VllmHandoff, transfer_params
-from router.request_path.pick import pick
+from router.request_path.pick import Picker
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 from router.request_path.usage import PrefillUsage, cached_tokens
@@ -79,14 +79,12 @@ def is_role_split(candidates: Sequence[Backend]) -> bool:
 class Pairs:
     """Chooses pairs and runs the handoff; the dispatcher hands it the requests of role-split models."""
 
-    def __init__(
-        self, books: AttemptBooks, proxy: Proxy, metrics: RouterMetrics, fallback: RoutingPolicy
-    ) -> None:
+    def __init__(self, books: AttemptBooks, proxy: Proxy, metrics: RouterMetrics, picker: Picker) -> None:
         self.books = books
         self.proxy = proxy
         self.metrics = metrics
-        #: Chooses for a policy that fails to (router/request_path/pick.py).
-        self.fallback = fallback
+        #: Asks each side's policy for its pick (router/request_path/pick.py).
+        self.picker = picker
 
     async def dispatch(
         self,
@@ -183,7 +181,7 @@ class Pairs:
         blocks_of = self.books.index.blocks_of
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
         label = policy.name or type(policy).__name__
-        backend, decision = pick(policy, self.fallback, f"{side} {label}", view, candidates, views)
+        backend, decision = self.picker.pick(policy, f"{side} {label}", view, candidates, views)
         self.metrics.pair_decisions_by(side, label, decision.reason).inc()
         if side == PREFILL:
             self.metrics.decisions_by(label, decision.reason).inc()

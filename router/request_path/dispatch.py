@@ -49,7 +49,7 @@ from router.request_path.context import RequestContext
 from router.request_path.disaggregated import Pairs, is_role_split
 from router.request_path.endpoints import PREFIX_ROUTED
 from router.request_path.keying import build_keyer
-from router.request_path.pick import pick
+from router.request_path.pick import Picker
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 from router.request_path.warmup import Warmups
@@ -104,7 +104,9 @@ class Dispatcher:
         self._balancer = LeastLoad(seed=config.routing.seed)
         #: Chooses decode engines for models served by prefill/decode pairs (its own reload rule).
         self.decode_policy = config.decode_policy
-        self.pairs = Pairs(self.books, proxy, metrics, self._balancer)
+        #: Asks the policy for its pick, and least_load when the policy fails (pick.py).
+        self.picker = Picker(self._balancer)
+        self.pairs = Pairs(self.books, proxy, metrics, self.picker)
         #: Prefix copies a policy asks for beside a request (router/request_path/warmup.py).
         self.warmups = Warmups(self.books, proxy, metrics, self.keyer)
 
@@ -264,7 +266,7 @@ class Dispatcher:
         """The policy's pick among the candidates' views (least_load's if the policy fails)."""
         blocks_of, matches = self.index.blocks_of, route.matches
         views = [b.view(matches.get(b.name, 0), blocks_of(b.name)) for b in candidates]
-        backend, decision = pick(route.policy, self._balancer, route.label, view, candidates, views)
+        backend, decision = self.picker.pick(route.policy, route.label, view, candidates, views)
         self.metrics.decisions_by(route.label, decision.reason).inc()
         self.metrics.matched_tokens_by(view.model).inc(decision.matched_blocks * view.block_tokens)
         log.debug(

@@ -48,7 +48,8 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
         victim_name = resp.headers["x-kvroute-backend"]
         victim = next(r for r in vllm_pair if r.name == victim_name)
         survivor = next(r for r in vllm_pair if r is not victim)
-        assert (await resp.content.readuntil(b"\n\n")).startswith(b"data: ")
+        first = await resp.content.readuntil(b"\n\n")
+        assert first.startswith(b"data: ")
         victim.signal(signal.SIGTERM)
         stopped = time.monotonic()
         # Meanwhile, more requests: every one is served (by the survivor, or retried onto it).
@@ -63,16 +64,18 @@ async def test_a_replica_stopped_mid_stream_then_restarted(
         )
         rest = await asyncio.wait_for(resp.content.read(), timeout=30)
     took = time.monotonic() - stopped
-    events = [e for e in rest.split(b"\n\n") if e.startswith(b"data: ")]
+    events = [e for e in (first + rest).split(b"\n\n") if e.startswith(b"data: ")]
     print(f"the stream on {victim_name} ended {took:.1f} s after SIGTERM: {events[-1][:200]!r}")
     assert took < 15
-    # Every event is whole JSON, and the stream has one of two well-formed ends. vLLM may end it
-    # itself, and the router passes that through unchanged: seen here are a chunk with
-    # finish_reason "abort", vLLM's own error event, and (once in CI) finish_reason "length" 0.1 s
-    # after the signal, most likely a generation that had run to its length while the API server
-    # was starved of CPU behind its engine core. Or the connection drops, or the engine hangs until the health checks eject it, and
-    # the router ends the stream with its own error event.
+    # Every event is whole JSON, of one generation on one engine (no stream spliced from two),
+    # and the stream has one of two well-formed ends. vLLM may end it itself, and the router
+    # passes that through unchanged: seen here are a chunk with finish_reason "abort", vLLM's own
+    # error event, and (once in CI) finish_reason "length" 0.1 s after the signal, most likely a
+    # generation that had run to its length while the API server was starved of CPU behind its
+    # engine core. Or the connection drops, or the engine hangs until the health checks eject it,
+    # and the router ends the stream with its own error event.
     payloads = [json.loads(e[len(b"data: ") :]) for e in events if e != b"data: [DONE]"]
+    assert len({p["id"] for p in payloads if "choices" in p}) == 1
     if events[-1] == b"data: [DONE]":
         assert all("choices" in p or "error" in p for p in payloads), payloads[-3:]
     else:
