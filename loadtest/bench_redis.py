@@ -167,12 +167,16 @@ def routers(
 
 
 async def wait_ready(http: aiohttp.ClientSession, bases: Sequence[str], timeout_s: float = 60) -> None:
+    """Until every router is ready and answers ``/metrics``: under ``--workers`` the first worker
+    up answers ``/ready``, while a scrape fails (503) until every worker reports its metrics
+    (router/http/worker_metrics.py), which a cold start (a fresh clone compiling its bytecode)
+    had delay past a short replay."""
     deadline = time.monotonic() + timeout_s
     for base in bases:
         while True:
             with contextlib.suppress(aiohttp.ClientError):
-                async with http.get(f"{base}/ready") as resp:
-                    if resp.status == 200:
+                async with http.get(f"{base}/ready") as ready, http.get(f"{base}/metrics") as metrics:
+                    if ready.status == 200 and metrics.status == 200:
                         break
             if time.monotonic() > deadline:
                 raise RuntimeError(f"router {base} not ready after {timeout_s} s")
