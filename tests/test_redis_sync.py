@@ -4,6 +4,7 @@ the other replicas' beliefs reach over a real Redis stream; Redis is never on th
 from __future__ import annotations
 
 import asyncio
+import itertools
 from typing import Any
 
 import aiohttp
@@ -158,9 +159,10 @@ async def test_the_stream_keeps_a_ttl_renewed_every_half_ttl_not_with_each_appen
     assert client.pttl(stream) == -1
 
     # ... and the first append past it renews the TTL, so an abandoned namespace still expires.
-    async def renewed(turn: list[int] = [2]) -> bool:  # noqa: B006 (the turn count, kept between polls)
-        turn[0] += 1
-        assert (await chat(http, one.url, f"turn {turn[0]}")).status == 200
+    turns = itertools.count(3)
+
+    async def renewed() -> bool:
+        assert (await chat(http, one.url, f"turn {next(turns)}")).status == 200
         return client.pttl(stream) > 0
 
     await wait_for(renewed, timeout=10, what="the TTL renewed")
