@@ -49,6 +49,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import Result, stream_chat
+from loadtest.contenders import cpu_list
 from loadtest.redis_server import RedisServer, free_port
 from loadtest.report import format_table, percentile, summarize
 from loadtest.sim.fleet import SimFleet
@@ -493,7 +494,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument(
         "--router-cpus",
-        type=lambda text: {int(cpu) for cpu in text.split(",")},
+        type=cpu_list,
         help="CPUs (e.g. 1) for the routers and redis-server alone; the fleet and the client get the "
         "others: the cores of their own that routers have in production",
     )

@@ -112,15 +112,6 @@ class Group:
         return sum(router.processes for router in self.routers)
 
 
-def cpu_list(spec: str) -> set[int]:
-    """The CPUs of a taskset list such as ``0,1`` or ``0-3,6`` (empty: none given)."""
-    cpus: set[int] = set()
-    for part in filter(None, spec.split(",")):
-        first, _, last = part.partition("-")
-        cpus.update(range(int(first), int(last or first) + 1))
-    return cpus
-
-
 def _children_cpu() -> float:
     usage = resource.getrusage(resource.RUSAGE_CHILDREN)
     return usage.ru_utime + usage.ru_stime
@@ -195,7 +186,7 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         raise SystemExit(f"kvroute bench workers: {backends.missing}")
     require("wrk")
     redis = RedisServer()
-    workers_cores = cpu_list(args.workers_cpu)
+    workers_cores = procs.cpu_list(args.workers_cpu)
     cores = [str(core) for core in sorted(workers_cores)] or [""]
     one = procs.kvroute(workdir, urls, args.proxy_cpu, policy=args.policy, name="one process")
     workers_of = partial(

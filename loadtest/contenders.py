@@ -34,6 +34,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def cpu_list(spec: str) -> set[int]:
+    """The CPUs of a taskset list such as ``0,1`` or ``0-3,6`` (empty: none given)."""
+    cpus: set[int] = set()
+    for part in filter(None, spec.split(",")):
+        first, _, last = part.partition("-")
+        cpus.update(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def pinned(command: list[str], cpus: str | None) -> list[str]:
     """``command`` run on the CPUs ``cpus`` (a taskset list such as ``"1"`` or ``"0,1"``)."""
     return ["taskset", "-c", cpus, *command] if cpus and shutil.which("taskset") else command

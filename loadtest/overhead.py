@@ -487,7 +487,7 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
 def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead") -> int:
     args = build_parser(prog).parse_args(argv)
     if args.harness_cpu and hasattr(os, "sched_setaffinity"):
-        os.sched_setaffinity(0, {int(c) for c in args.harness_cpu.split(",")})
+        os.sched_setaffinity(0, procs.cpu_list(args.harness_cpu))
     if args.profile:
         Path(args.profile).mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="kvroute-overhead-") as tmp:

@@ -17,7 +17,6 @@ import pytest
 from loadtest import contenders as procs
 from loadtest.bench_workers import (
     Group,
-    cpu_list,
     main,
     parse_wrk,
     workers_table,
@@ -170,7 +169,11 @@ def test_a_router_that_cannot_start_stops_the_run_with_its_own_words() -> None:
 
 
 def test_cpu_lists_are_read_as_taskset_reads_them() -> None:
-    assert cpu_list("0,1") == {0, 1} and cpu_list("0-3,6") == {0, 1, 2, 3, 6} and cpu_list("") == set()
+    assert (
+        procs.cpu_list("0,1") == {0, 1}
+        and procs.cpu_list("0-3,6") == {0, 1, 2, 3, 6}
+        and procs.cpu_list("") == set()
+    )
 
 
 def test_an_answer_nginx_would_change_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
