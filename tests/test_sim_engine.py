@@ -133,6 +133,7 @@ async def test_chat_completion_non_stream(make_engine: EngineFactory, session: a
         "total_tokens": prompt_tokens + 5,
         "prompt_tokens_details": {"cached_tokens": 0},
     }
+    assert not engine.records[-1].stream  # a router's warm-up looks like this, unlike a client's stream
 
 
 async def test_completion_non_stream_uses_default_max_tokens(
@@ -173,6 +174,7 @@ async def test_chat_stream_sends_one_chunk_per_token_then_usage_and_done(
     assert usage_chunk["choices"] == []
     assert usage_chunk["usage"]["completion_tokens"] == 4
     assert usage_chunk["usage"]["prompt_tokens"] == tokens_of(render_chat(body["messages"]))
+    assert engine.records[-1].stream
 
 
 async def test_completion_stream_without_usage(

@@ -102,6 +102,8 @@ class RequestRecord:
     ttft_s: float
     #: Arrival to last token, measured.
     e2e_s: float
+    #: Whether it was streamed: tells a client's streamed request from a router's warm-up.
+    stream: bool = False
 
 
 def _settle(timer: asyncio.Future[None]) -> None:
@@ -324,6 +326,7 @@ class Scheduler:
                 prefill_s=request.prefill_s,
                 ttft_s=request.first_token_at - request.arrival,
                 e2e_s=now - request.arrival,
+                stream=request.stream,
             )
         )
         request.changed.set()
