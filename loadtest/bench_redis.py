@@ -1,7 +1,8 @@
 """Shared state in Redis, measured: does a fleet of router replicas route like one router?
 
     python -m loadtest.bench_redis [--requests 300] [--speedup 10] [--engines 4] [--replicas 4]
-                                   [--lookup-timeout-ms MS]
+                                   [--spread-s S] [--policy NAME] [--params JSON]
+                                   [--load-interval-s S] [--lookup-timeout-ms MS]
 
 One invocation replays the same slice of the Mooncake conversation trace (time-compressed,
 streaming) against a fresh simulated fleet for each contender, each router a real
@@ -19,10 +20,18 @@ streaming) against a fresh simulated fleet for each contender, each router a rea
 Requests go to the replicas round robin, as a Kubernetes Service would spread them; the
 kernel spreads (f)'s connections over its workers (SO_REUSEPORT). The
 table gives the engines' hit ratio (engine-reported cached prompt tokens / prompt tokens),
-TTFT, the routers' p99 decision time (``kvroute_routing_decision_seconds``, merged over
-replicas), the Redis lookup's, and the lookups routed on a local view instead (fallbacks,
-of which timeouts), all relative to (a) from the same run. Below it: the
-Redis memory per stored (backend, block) entry and the index's total for the trace.
+TTFT at the client and at the engines (arrival there to first token: what placement decides,
+without the routers' own processing, which on a shared machine grows with the number of
+router processes whatever they decide), the routers' p99 decision time
+(``kvroute_routing_decision_seconds``, merged over replicas), the Redis lookup's, and the
+lookups routed on a local view instead (fallbacks, of which timeouts), all relative to (a)
+from the same run. Below it: the Redis memory per stored (backend, block) entry and the
+index's total for the trace.
+
+The Mooncake trace's timestamps come in ticks of 3 s, about ten requests each, which a replay
+sends at the same instant: each replica then decides its share of a tick on the same picture
+of the fleet, before any of them has published what it sent. ``--spread-s 3`` spreads each
+tick's arrivals over its 3 s (seeded by ``--seed``) as the real arrivals were.
 
 Everything runs on this machine's loopback; the replay is bounded by the trace slice and
 each request by a timeout. On a small shared machine the routers, the engines, the load
@@ -34,6 +43,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import math
 import os
 import subprocess
@@ -54,7 +64,7 @@ from loadtest.redis_server import RedisServer, free_port
 from loadtest.report import format_table, percentile, summarize
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
-from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace
+from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages, read_trace, spread_arrivals
 from router.config import config_from_dict
 from router.index.build import build_index
 from router.index.redis_store import RedisIndex
@@ -94,6 +104,10 @@ class Outcome:
     #: Decision time of the requests sent one at a time after the replay (AT_REST_REQUESTS).
     rest_p50: float
     rest_p99: float
+    #: Mean time from a streamed request's arrival at its engine to its first token (queue and
+    #: prefill): the part of TTFT placement decides, without the routers' own processing, which
+    #: on a shared machine grows with the number of router processes whatever they decide.
+    engine_ttft_mean: float
 
 
 def prioritize(pid: int, nice: int, cpus: set[int] | None = None) -> None:
@@ -114,7 +128,7 @@ def routers(
     nice: int,
     redis_options: dict,
     cpus: set[int] | None = None,
-    policy: str | None = None,
+    routing: dict | None = None,
 ) -> Iterator[list[str]]:
     """``contender.replicas`` ``kvroute serve`` processes in front of ``urls``; their base URLs."""
     processes: list[subprocess.Popen[bytes]] = []
@@ -136,7 +150,7 @@ def routers(
                 "listen": {"host": "127.0.0.1", "port": port},
                 "admin": {"listen": {"host": "127.0.0.1", "port": admin_port}},
                 "backends": [{"name": f"e{j}", "url": u, "models": [MODEL]} for j, u in enumerate(urls)],
-                "routing": {"seed": i + 1, **({"policy": policy} if policy else {})},
+                "routing": {"seed": i + 1, **(routing or {})},
                 "index": index,
                 "log_level": "warning",
             }
@@ -276,7 +290,13 @@ async def run_contender(
             redis_options["timeout_ms"] = args.lookup_timeout_ms
         if args.write_batch_blocks is not None:
             redis_options["write_batch_blocks"] = args.write_batch_blocks
-        placement = (workdir, args.nice, redis_options, args.router_cpus, args.policy)
+        if args.load_interval_s is not None:
+            redis_options["load_interval_s"] = args.load_interval_s
+        routing = {
+            **({"policy": args.policy} if args.policy else {}),
+            **({"params": args.params} if args.params else {}),
+        }
+        placement = (workdir, args.nice, redis_options, args.router_cpus, routing)
         with routers(contender, fleet.urls, capacity, redis_url, *placement) as bases:
             async with aiohttp.ClientSession() as http:
                 try:
@@ -289,6 +309,7 @@ async def run_contender(
                 started = time.perf_counter()
                 results = await replay(bases, trace, args.speedup, args.max_tokens)
                 wall = time.perf_counter() - started
+                engine_ttft = engine_ttft_mean(fleet)
                 families = [await scrape(http, base) for base in bases]
                 rest = await decisions_at_rest(http, bases, trace)
     decisions = merged_buckets(families, "kvroute_routing_decision_seconds")
@@ -305,7 +326,18 @@ async def run_contender(
         timeouts=counter_total(families, "kvroute_redis_errors_total", op="match", kind="timeout"),
         rest_p50=quantile(rest, 0.5),
         rest_p99=quantile(rest, 0.99),
+        engine_ttft_mean=engine_ttft,
     )
+
+
+def engine_ttft_mean(fleet: SimFleet) -> float:
+    """The mean engine-side TTFT of the streamed requests the fleet finished (the replay's; the
+    routers' warm-ups are not streamed); NaN if an engine finished more than it keeps records of."""
+    schedulers = [engine.scheduler for engine in fleet.engines]
+    if any(s.completed > (s.records.maxlen or 0) for s in schedulers):
+        return math.nan
+    ttfts = [r.ttft_s for s in schedulers for r in s.records if r.stream]
+    return sum(ttfts) / len(ttfts) if ttfts else math.nan
 
 
 def redis_memory(server: RedisServer, namespace: str, baseline: int) -> tuple[int, int, int]:
@@ -359,6 +391,8 @@ def ms(seconds: float) -> str:
 
 async def main_async(args: argparse.Namespace) -> int:
     trace = read_trace(args.trace, limit=args.requests)
+    if args.spread_s:
+        trace = spread_arrivals(trace, args.spread_s, seed=args.seed)
     contenders = [
         Contender("a_one_memory", 1, "memory"),
         Contender("b_one_redis", 1, "redis"),
@@ -370,8 +404,9 @@ async def main_async(args: argparse.Namespace) -> int:
     contenders = [c for c in contenders if c.label[0] in args.contenders]
     span = trace[-1].arrival_s - trace[0].arrival_s
     print(
-        f"bench_redis: {len(trace)} trace requests ({span:.0f} s of trace at {args.speedup:g}x), "
-        f"{args.engines} simulated engines of {args.kv_blocks * 16:,} KV tokens, streaming\n",
+        f"bench_redis: {len(trace)} trace requests ({span:.0f} s of trace at {args.speedup:g}x"
+        + (f", arrivals spread over {args.spread_s:g} s, seed {args.seed}" if args.spread_s else "")
+        + f"), {args.engines} simulated engines of {args.kv_blocks * 16:,} KV tokens, streaming\n",
         flush=True,
     )
     outcomes: list[Outcome] = []
@@ -411,6 +446,8 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"{s.hit_ratio / max(reference.hit_ratio, 1e-9):.3f}",
                 ms(s.ttft_mean),
                 f"{s.ttft_mean / max(reference.ttft_mean, 1e-9):.2f}",
+                ms(outcome.engine_ttft_mean),
+                f"{outcome.engine_ttft_mean / max(outcomes[0].engine_ttft_mean, 1e-9):.2f}",
                 ms(s.ttft_p50),
                 ms(s.ttft_p99),
                 ms(outcome.decision_p50),
@@ -424,8 +461,8 @@ async def main_async(args: argparse.Namespace) -> int:
             ]
         )
     print()
-    headers = ["contender", "ok", "failed", "hit ratio", "hit vs (a)", "TTFT mean", "vs (a)", "TTFT p50"]
-    headers += ["TTFT p99"]
+    headers = ["contender", "ok", "failed", "hit ratio", "hit vs (a)", "TTFT mean", "vs (a)"]
+    headers += ["at engine", "vs (a)", "TTFT p50", "TTFT p99"]
     headers += ["decision p50", "p99", "redis match p50", "p99", "fallbacks", "timeouts"]
     headers += ["at rest p50", "p99"]
     print(format_table(headers, rows))
@@ -467,6 +504,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--trace", type=Path, default=DEFAULT_TRACE, help="Mooncake-format trace (JSONL)")
     parser.add_argument("--requests", type=int, default=300, help="first N requests of the trace")
     parser.add_argument("--speedup", type=float, default=10.0, help="time compression of the arrivals")
+    parser.add_argument(
+        "--spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a random offset below this many trace seconds (3: spread "
+        "the Mooncake trace's 3-second ticks, whose requests otherwise arrive at once)",
+    )
+    parser.add_argument("--seed", type=int, default=0, help="seed of --spread-s")
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--replicas", type=int, default=4, help="router replicas in (c), (d) and (e)")
     parser.add_argument("--kv-blocks", type=int, default=65536, help="KV blocks of 16 tokens per engine")
@@ -480,7 +525,17 @@ def build_parser() -> argparse.ArgumentParser:
         type=int,
         help="the routers' index.redis.write_batch_blocks (default: its default)",
     )
+    parser.add_argument(
+        "--load-interval-s",
+        type=float,
+        help="the routers' index.redis.load_interval_s (default: its default)",
+    )
     parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
+    parser.add_argument(
+        "--params",
+        type=json.loads,
+        help="the routers' routing.params as JSON, e.g. '{\"warmup_blocks\": 0}' (default: none)",
+    )
     parser.add_argument("--workers", type=int, default=2, help="worker processes of (f)'s one router")
     parser.add_argument(
         "--contenders", default="abcdef", help="which of (a)-(f) to run; (a) is the reference"

@@ -15,8 +15,10 @@ hashed and cached.
 
 from __future__ import annotations
 
+import dataclasses
 import gzip
-from collections.abc import Iterator
+import random
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -73,6 +75,19 @@ def read_trace(
     """The requests of a trace file (JSONL, or gzip-compressed JSONL named ``*.gz``), in arrival
     order, optionally only its first minutes or requests."""
     return list(_iter_trace(Path(path), minutes, limit))
+
+
+def spread_arrivals(trace: Sequence[TraceRequest], seconds: float, seed: int = 0) -> list[TraceRequest]:
+    """``trace`` with each arrival moved later by a uniform random offset below ``seconds``, in
+    arrival order again.
+
+    The Mooncake conversation trace's timestamps come in ticks of 3 s, about ten requests to a
+    tick: replayed as written, each tick's requests arrive at the same instant. Real arrivals
+    within those 3 s were spread; spreading them again (seeded) replays that instead.
+    """
+    rng = random.Random(seed)
+    moved = [dataclasses.replace(r, arrival_s=r.arrival_s + rng.uniform(0.0, seconds)) for r in trace]
+    return sorted(moved, key=lambda r: r.arrival_s)
 
 
 def _iter_trace(path: Path, minutes: float | None, limit: int | None) -> Iterator[TraceRequest]:

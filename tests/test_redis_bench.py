@@ -23,12 +23,18 @@ def tiny_trace(folder: Path) -> Path:
 def test_bench_redis_smoke(tmp_path, capsys):
     trace = tiny_trace(tmp_path)
     args = ["--trace", str(trace), "--speedup", "20", "--engines", "2", "--replicas", "2"]
+    args += ["--spread-s", "0.5", "--seed", "3"]
     assert main([*args, "--kv-blocks", "4096", "--contenders", "bc", "--lookup-timeout-ms", "50"]) == 0
     out = capsys.readouterr().out
+    assert "arrivals spread over 0.5 s, seed 3" in out
     # Every request answered: ok 8, failed 0 on both rows.
     assert re.search(r"^b_one_redis\s+8\s+0\s", out, re.MULTILINE), out
     assert re.search(r"^c_2_shared_redis\s+8\s+0\s", out, re.MULTILINE), out
     assert re.search(r"fallbacks\s+timeouts\s+at rest p50\s+p99$", out, re.MULTILINE), out
+    # The engine-side TTFT holds a figure: the engines' records of the streamed requests.
+    assert re.search(
+        r"^b_one_redis\s+8\s+0\s+\S+%\s+\S+\s+\S+ ms\s+\S+\s+\d+\.\d+ ms\s", out, re.MULTILINE
+    ), out
     # The at-rest columns hold figures: the 8 requests sent again one at a time were timed.
     assert re.search(r"^b_one_redis\s.*\s\d+\.\d+ ms\s+\d+\.\d+ ms$", out, re.MULTILINE), out
     assert "Redis memory of the index" in out
