@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import random
 from typing import Any
 
 import aiohttp
@@ -148,11 +149,11 @@ async def test_a_replica_that_dies_stops_counting():
             return live_pool["e0"].remote_in_flight == 0
 
         await wait_for(forgotten, what="e0's remote in-flight count forgotten", timeout=3)
-        for key in ("{kvroute}:load", "{kvroute}:prefill"):
-            assert server.client().hlen(key) == 1  # the dead replica's fields were deleted
+        parts = server.client().hgetall("{kvroute}:loadparts")
+        assert list(parts) == [live.id.encode()]  # the dead replica's counts were deleted
         await live.close()
-        for key in ("{kvroute}:load", "{kvroute}:prefill"):
-            assert server.client().hlen(key) == 0  # a clean stop withdraws at once
+        assert server.client().hlen("{kvroute}:loadparts") == 0  # a clean stop withdraws at once
+        assert server.client().hget("{kvroute}:loadsums", "n/e0") in (None, b"0")
         for link in links:
             await link.close()
 
@@ -225,5 +226,80 @@ async def test_replicas_share_their_pending_prefill_and_policies_see_it():
         mine = pools[0]["e0"].view(0, 0)  # its own counts plus the others', never twice
         assert (mine.in_flight, mine.pending_prefill_tokens, mine.pending_prefill_requests) == (8, 3500, 3)
         assert pools[2]["e1"].view(0, 0).pending_prefill_tokens == 0
+        for link in links:
+            await link.close()
+
+
+async def test_the_shared_sums_match_every_live_replicas_counts_through_churn():
+    """Replicas publish changing counts, leave, come back, and drop and regain backends; after
+    every call the caller sees exactly the sum of the other live replicas' last counts."""
+    rng = random.Random(5)
+    names = ["e0", "e1", "e2"]
+    with redis_server() as server:
+        config = RedisConfig(url=server.url)
+        links = [
+            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "abcd"
+        ]
+        pools = [BackendPool([BackendConfig(name=n, url="http://127.0.0.1:1") for n in names]) for _ in links]
+        views = [SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True)]
+        published: dict[int, dict[str, tuple[int, int, int]]] = {}
+        for _ in range(120):
+            i = rng.randrange(len(views))
+            pool = pools[i]
+            if rng.random() < 0.1:
+                await views[i].close()
+                published.pop(i, None)
+                continue
+            if rng.random() < 0.15 and len(pool) > 1:
+                pool.remove(rng.choice([b.name for b in pool]))
+            elif rng.random() < 0.15:
+                for name in names:
+                    pool.add(BackendConfig(name=name, url="http://127.0.0.1:1"))
+            for backend in pool:
+                backend.in_flight = rng.randrange(6)
+                backend.pending_prefill_tokens = rng.randrange(5000)
+                backend.pending_prefill_requests = rng.randrange(3)
+            await views[i].sync_once()
+            published[i] = {
+                b.name: (b.in_flight, b.pending_prefill_tokens, b.pending_prefill_requests) for b in pool
+            }
+            for backend in pool:
+                others = [
+                    counts[backend.name]
+                    for j, counts in published.items()
+                    if j != i and backend.name in counts
+                ]
+                expected = tuple(sum(c[k] for c in others) for k in range(3))
+                seen = (
+                    backend.remote_in_flight,
+                    backend.remote_pending_prefill_tokens,
+                    backend.remote_pending_prefill_requests,
+                )
+                assert seen == expected
+        for link in links:
+            await link.close()
+
+
+async def test_lost_sums_are_rebuilt_from_the_live_replicas_counts():
+    """A sums key lost (evicted, flushed) or driven negative is rebuilt from what each live
+    replica last published, at the next call."""
+    with redis_server() as server:
+        config = RedisConfig(url=server.url)
+        backends = [BackendConfig(name="e0", url="http://127.0.0.1:1")]
+        links = [
+            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
+        ]
+        pools = [BackendPool(backends) for _ in links]
+        one, two = (SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True))
+        pools[0]["e0"].in_flight = 3
+        await one.sync_once()
+        server.client().delete("{kvroute}:loadsums")
+        await two.sync_once()
+        assert pools[1]["e0"].remote_in_flight == 3
+        server.client().hset("{kvroute}:loadsums", "n/e0", -10)
+        pools[0]["e0"].in_flight = 2  # a change: its decrement finds the sum negative
+        await one.sync_once()
+        await two.sync_once()
+        assert pools[1]["e0"].remote_in_flight == 2
         for link in links:
             await link.close()

@@ -117,6 +117,6 @@ async def test_cluster(cluster):
     holders = [node for node in cluster.nodes if node.client().dbsize() > 0]
     assert len(holders) == 1
     keys = [k.decode() for k in holders[0].client().keys("{clustered}:*")]
-    assert set(keys) >= {"{clustered}:blocks:a", "{clustered}:blocks:b", "{clustered}:load"}
+    assert set(keys) >= {"{clustered}:blocks:a", "{clustered}:blocks:b", "{clustered}:loadsums"}
     slots = {holders[0].client().execute_command("CLUSTER", "KEYSLOT", k) for k in keys}
     assert len(slots) == 1

@@ -6,10 +6,12 @@ A policy weighing "how busy is this backend" must count the requests every repli
 there, not only its own, or N replicas each pile up to the threshold on the same engine.
 Each replica publishes its own counts every ``load_interval_s`` (one script call, which
 also returns everyone else's sums), and each backend's view then shows its own in-flight
-count, current to the request, plus the others', at most one interval old.
+count, current to the request, plus the others', at most one interval old. Redis keeps the
+sums as they go (router/index/redis_scripts.py, ``_LOAD_VIEW``), so a call costs it in
+proportion to the backends, however many replicas there are.
 
 Liveness: a replica's counts live under its id with its last publish time; one that has
-not published for ``load_ttl_s`` (it died) stops counting then, and its fields are deleted
+not published for ``load_ttl_s`` (it died) stops counting then, and its counts are withdrawn
 by the next publisher. A replica that stops cleanly withdraws its counts at once. While
 Redis is unavailable the others' counts are dropped after ``load_ttl_s``: the view falls
 back to this replica's own, rather than steering by a frozen picture of the fleet.
@@ -40,15 +42,14 @@ class SharedLoad:
         self.pool = pool
         self.config = link.config
         self.keys = Keys(self.config.namespace)
+        self._keys = [self.keys.replicas, self.keys.load_parts, self.keys.load_sums]
         self.id = replica_id()
         self._last_sync = 0.0
         self._task: asyncio.Task[None] | None = None
-        #: Backends that left the pool since the last publish: their fields are withdrawn.
-        self._dropped: set[str] = set()
         pool.subscribe(lambda backend: None, self._on_removed)
 
     def _on_removed(self, backend: Backend) -> None:
-        self._dropped.add(backend.name)
+        """Its counts are withdrawn by the next publish, which no longer lists it."""
         with contextlib.suppress(KeyError):  # no sample yet: nothing to remove
             self.link.metrics.others_in_flight.remove(backend.name)
 
@@ -57,8 +58,7 @@ class SharedLoad:
 
     async def sync_once(self) -> None:
         """Publish this replica's counts and take in the others'; RedisUnavailable when Redis fails."""
-        dropped = sorted(self._dropped - {backend.name for backend in self.pool})
-        args: list[object] = [self.id, int(self.config.load_ttl_s * 1000), len(dropped), *dropped]
+        args: list[object] = [self.id, int(self.config.load_ttl_s * 1000)]
         for backend in self.pool:
             args += [
                 backend.name,
@@ -66,12 +66,12 @@ class SharedLoad:
                 max(0, backend.pending_prefill_tokens),
                 max(0, backend.pending_prefill_requests),
             ]
-        keys = [self.keys.replicas, self.keys.load, self.keys.prefill]
         reply = await self.link.call(
-            "load", lambda: _LOAD(self.link.client, keys, args), self.config.background_timeout_ms / 1000
+            "load",
+            lambda: _LOAD(self.link.client, self._keys, args),
+            self.config.background_timeout_ms / 1000,
         )
         self._last_sync = time.monotonic()
-        self._dropped.difference_update(dropped)
         others = {
             (name.decode() if isinstance(name, bytes) else name): (int(count), int(tokens), int(requests))
             for name, count, tokens, requests in zip(
@@ -101,15 +101,10 @@ class SharedLoad:
         """Stop publishing and withdraw this replica's counts (best effort, bounded)."""
         if self._task is not None:
             await stop_task(self._task)
-        names = [backend.name for backend in self.pool]
         with contextlib.suppress(RedisUnavailable):
             await self.link.call(
                 "load",
-                lambda: _LEAVE(
-                    self.link.client,
-                    [self.keys.replicas, self.keys.load, self.keys.prefill],
-                    [self.id, *names],
-                ),
+                lambda: _LEAVE(self.link.client, self._keys, [self.id]),
                 self.config.background_timeout_ms / 1000,
             )
 

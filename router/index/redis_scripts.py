@@ -183,81 +183,121 @@ return evicted
 """
 )
 
-#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH; KEYS[3]: the prefill HASH. ARGV:
-#: replica id, ttl_ms, the number of backends this replica dropped since its last call and
-#: their names, then (backend, in-flight, pending prefill tokens, pending prefill requests)
-#: of this replica. Publishes them and returns the other live replicas' sums as
-#: {backend1, in-flight1, tokens1, requests1, ...}; fields of replicas silent for ttl_ms
-#: are deleted from both hashes.
-LOAD = """
-local id, ttl, dropped = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
-local t = redis.call('TIME')
-local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
-redis.call('ZADD', KEYS[1], now, id)
-redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - ttl)
-for i = 4, 3 + dropped do
-  redis.call('HDEL', KEYS[2], id .. '/' .. ARGV[i])
-  redis.call('HDEL', KEYS[3], id .. '/' .. ARGV[i])
+#: The shared load view's keys: KEYS[1] the replicas ZSET (id -> last publish, ms); KEYS[2] the
+#: contributions HASH (id -> JSON {backend: [in-flight, tokens, requests]}: what each live
+#: replica has added to the sums); KEYS[3] the sums HASH (``n/``, ``t/``, ``r/`` + backend:
+#: every live replica's in-flight, pending tokens and requests, summed; ``@built``: when it
+#: was last rebuilt from the contributions).
+#:
+#: A call updates the sums by what changed (its own counts, and the contributions of replicas
+#: silent for ttl_ms, withdrawn) and reads them for its own backends, so its cost grows with
+#: the backends alone, where a scan of every replica's fields grew with replicas x backends
+#: and the fleet's calls with the square of the replicas (``python -m loadtest.bench_shared_load``).
+#: Once a minute, or when a sum went negative (a key lost to eviction or a flush), the sums
+#: are rebuilt from the live replicas' contributions, so no drift outlives a minute.
+_LOAD_VIEW = """
+local REBUILD_MS = 60000
+local rebuild = false
+local function bump(field, value)
+  if value ~= 0 and redis.call('HINCRBY', KEYS[3], field, value) < 0 then rebuild = true end
 end
-for i = 4 + dropped, #ARGV, 4 do
-  local field = id .. '/' .. ARGV[i]
-  redis.call('HSET', KEYS[2], field, ARGV[i + 1])
-  redis.call('HSET', KEYS[3], field, ARGV[i + 2] .. ' ' .. ARGV[i + 3])
+local function add(backend, n, t, r)
+  bump('n/' .. backend, n)
+  bump('t/' .. backend, t)
+  bump('r/' .. backend, r)
 end
-local live = {}
-for _, replica in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do live[replica] = true end
-local sums = {}
-local function add(backend, slot, value)
-  local sum = sums[backend]
-  if not sum then
-    sum = {0, 0, 0}
-    sums[backend] = sum
-  end
-  sum[slot] = sum[slot] + (tonumber(value) or 0)
+local function contribution(replica)
+  local raw = redis.call('HGET', KEYS[2], replica)
+  return raw and cjson.decode(raw) or {}
 end
-for k = 2, 3 do
-  local dead = {}
-  local fields = redis.call('HGETALL', KEYS[k])
-  for i = 1, #fields, 2 do
-    local sep = string.find(fields[i], '/', 1, true)
-    local replica, backend = string.sub(fields[i], 1, sep - 1), string.sub(fields[i], sep + 1)
-    if not live[replica] then
-      dead[#dead + 1] = fields[i]
-    elseif replica ~= id then
-      if k == 2 then
-        add(backend, 1, fields[i + 1])
-      else
-        local tokens, requests = string.match(fields[i + 1], '^(%d+) (%d+)$')
-        add(backend, 2, tokens)
-        add(backend, 3, requests)
-      end
+local function withdraw(replica)
+  for backend, c in pairs(contribution(replica)) do add(backend, -c[1], -c[2], -c[3]) end
+  redis.call('HDEL', KEYS[2], replica)
+  redis.call('ZREM', KEYS[1], replica)
+end
+local function rebuild_sums(now)
+  redis.call('DEL', KEYS[3])
+  local live = {}
+  for _, replica in ipairs(redis.call('ZRANGE', KEYS[1], 0, -1)) do live[replica] = true end
+  local entries = redis.call('HGETALL', KEYS[2])
+  for i = 1, #entries, 2 do
+    if live[entries[i]] then
+      for backend, c in pairs(cjson.decode(entries[i + 1])) do add(backend, c[1], c[2], c[3]) end
+    else
+      redis.call('HDEL', KEYS[2], entries[i])
     end
   end
-  for i = 1, #dead, 1000 do redis.call('HDEL', KEYS[k], unpack(dead, i, math.min(i + 999, #dead))) end
-  redis.call('PEXPIRE', KEYS[k], ttl)
+  redis.call('HSET', KEYS[3], '@built', now)
 end
-redis.call('PEXPIRE', KEYS[1], ttl)
+"""
+
+#: ARGV: replica id, ttl_ms, then (backend, in-flight, pending prefill tokens, pending prefill
+#: requests) of this replica. Publishes them (a backend it no longer lists is withdrawn) and
+#: returns the other live replicas' sums for its backends: {backend1, in-flight1, tokens1,
+#: requests1, ...}.
+LOAD = (
+    _LOAD_VIEW
+    + """
+local id, ttl = ARGV[1], tonumber(ARGV[2])
+local t = redis.call('TIME')
+local now = tonumber(t[1]) * 1000 + math.floor(tonumber(t[2]) / 1000)
+for _, replica in ipairs(redis.call('ZRANGEBYSCORE', KEYS[1], '-inf', now - ttl)) do
+  if replica ~= id then withdraw(replica) end
+end
+redis.call('ZADD', KEYS[1], now, id)
+local before, mine, listed, changed = contribution(id), {}, {}, false
+for i = 3, #ARGV, 4 do
+  local backend = ARGV[i]
+  local c = {tonumber(ARGV[i + 1]), tonumber(ARGV[i + 2]), tonumber(ARGV[i + 3])}
+  local old = before[backend]
+  if not old or c[1] ~= old[1] or c[2] ~= old[2] or c[3] ~= old[3] then
+    old = old or {0, 0, 0}
+    add(backend, c[1] - old[1], c[2] - old[2], c[3] - old[3])
+    changed = true
+  end
+  mine[backend] = c
+  listed[#listed + 1] = backend
+end
+for backend, old in pairs(before) do
+  if not mine[backend] then
+    add(backend, -old[1], -old[2], -old[3])
+    changed = true
+  end
+end
+if changed or #listed == 0 then
+  redis.call('HSET', KEYS[2], id, #listed > 0 and cjson.encode(mine) or '{}')
+end
+local built = tonumber(redis.call('HGET', KEYS[3], '@built') or '0')
+if rebuild or now - built > REBUILD_MS then rebuild_sums(now) end
+for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], ttl) end
+if #listed == 0 then return {} end
+local fields = {}
+for _, backend in ipairs(listed) do
+  fields[#fields + 1] = 'n/' .. backend
+  fields[#fields + 1] = 't/' .. backend
+  fields[#fields + 1] = 'r/' .. backend
+end
+local sums = redis.call('HMGET', KEYS[3], unpack(fields))
 local out = {}
-for backend, sum in pairs(sums) do
+for k, backend in ipairs(listed) do
   out[#out + 1] = backend
-  out[#out + 1] = sum[1]
-  out[#out + 1] = sum[2]
-  out[#out + 1] = sum[3]
+  for slot = 1, 3 do
+    out[#out + 1] = math.max(0, (tonumber(sums[3 * (k - 1) + slot]) or 0) - mine[backend][slot])
+  end
 end
 return out
 """
+)
 
-#: KEYS[1]: the replicas ZSET; KEYS[2]: the load HASH; KEYS[3]: the prefill HASH. ARGV:
-#: replica id, backends. A replica that stops cleanly withdraws its counts at once instead
-#: of after the TTL.
-LEAVE = """
-redis.call('ZREM', KEYS[1], ARGV[1])
-for i = 2, #ARGV do
-  redis.call('HDEL', KEYS[2], ARGV[1] .. '/' .. ARGV[i])
-  redis.call('HDEL', KEYS[3], ARGV[1] .. '/' .. ARGV[i])
-end
+#: ARGV: replica id. A replica that stops cleanly withdraws its counts at once instead of
+#: after the TTL.
+LEAVE = (
+    _LOAD_VIEW
+    + """
+withdraw(ARGV[1])
 return 0
 """
+)
 
 
 class Script:
@@ -286,8 +326,9 @@ class Keys:
         self.clock = self.prefix + "clock"
         self.epochs = self.prefix + "epochs"
         self.replicas = self.prefix + "replicas"
-        self.load = self.prefix + "load"
-        self.prefill = self.prefix + "prefill"
+        #: The shared load view: each replica's counts, and their running sums (_LOAD_VIEW).
+        self.load_parts = self.prefix + "loadparts"
+        self.load_sums = self.prefix + "loadsums"
         #: ``lookup: local``'s stream of belief batches (router.index.redis_sync).
         self.beliefs = self.prefix + "beliefs"
 
