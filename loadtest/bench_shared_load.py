@@ -3,22 +3,23 @@
     python -m loadtest.bench_shared_load [--fleets 4x4,4x16,8x32,16x64,32x128] [--calls 400]
 
 Every router replica sharing load through Redis (``index.redis.share_load``) runs one script
-every ``load_interval_s``: it writes its counts for each backend and sums every other live
-replica's, so one call reads replicas x backends fields, and the fleet makes replicas calls
-per interval. Redis runs scripts one at a time: a long one holds up every lookup behind it.
+every ``load_interval_s``: it publishes its counts for each backend and reads the others'
+sums. Redis runs scripts one at a time: a long one holds up every lookup behind it.
 
 For each fleet (``R``x``B``: R replicas, B backends) this starts a private ``redis-server``,
 has R real ``SharedLoad`` publishers (the router's own code, each with B backends) call in
-turn ``--calls`` times, and reads Redis's own CPU time per call (``INFO commandstats``), so
-the figure is Redis's work, not the client's. The table gives it, its ratio to the first
-fleet's, and the share of Redis's one core the fleet takes at a 20 ms and a 100 ms interval.
-Everything runs on loopback and stops after the calls.
+turn ``--calls`` times, every count changed before each call (seeded), and reads Redis's own
+CPU time per call (``INFO commandstats``), so the figure is Redis's work, not the client's.
+The table gives it, its ratio to the first fleet's, and the share of Redis's one core the
+fleet takes at a 20 ms and a 100 ms interval. Everything runs on loopback and stops after
+the calls.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import random
 
 from loadtest.redis_server import redis_server
 from loadtest.report import format_table
@@ -59,8 +60,14 @@ async def redis_usec_per_call(replicas: int, backends: int, calls: int) -> float
                 await view.sync_once()  # every replica live before the count starts
             client = server.client()
             client.config_resetstat()
+            rng = random.Random(0)
             for k in range(calls):
-                await views[k % replicas].sync_once()
+                view = views[k % replicas]
+                for backend in view.pool:  # every count moves between calls: the busy case
+                    backend.in_flight = rng.randrange(8)
+                    backend.pending_prefill_tokens = rng.randrange(10_000)
+                    backend.pending_prefill_requests = rng.randrange(4)
+                await view.sync_once()
             stats = [v for k, v in client.info("commandstats").items() if "eval" in k]
             return sum(s["usec"] for s in stats) / sum(s["calls"] for s in stats)
         finally:
