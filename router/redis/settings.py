@@ -85,10 +85,10 @@ class RedisConfig:
     write_batch_blocks: PositiveInt = 1000
     #: Publish this router's in-flight counts and read everyone's (the shared load view).
     share_load: bool = True
-    #: How often the shared load view is published and read. Shorter routes bursts better (4
-    #: replicas' TTFT, docs/benchmarks/2026-12-06-redis-replicas.md), but every replica makes a
-    #: call each interval, costing Redis time in proportion to the backends
-    #: (``python -m loadtest.bench_shared_load``).
+    #: How often the shared load view is published and read. Shorter shows the others' load
+    #: sooner (no clear TTFT gain at 20 ms: docs/benchmarks/2026-12-06-redis-replicas.md), but
+    #: every replica makes a call each interval, costing Redis time in proportion to the
+    #: backends (``python -m loadtest.bench_shared_load``).
     load_interval_s: PositiveFloat = 0.1
     #: A router that stopped publishing stops counting after this long (it died).
     load_ttl_s: PositiveFloat = 3.0
