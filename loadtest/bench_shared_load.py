@@ -21,14 +21,14 @@ import argparse
 import asyncio
 import random
 
+from prometheus_client import CollectorRegistry
+
 from loadtest.redis_server import redis_server
 from loadtest.report import format_table
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
-from router.metrics import RedisMetrics, RouterMetrics
-from router.redis.breaker import RedisLink
-from router.redis.client import build_client
+from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
 
 #: Intervals whose Redis share the table shows: a fifth of the default, and the default.
@@ -46,10 +46,7 @@ async def redis_usec_per_call(replicas: int, backends: int, calls: int) -> float
     with redis_server() as server:
         config = RedisConfig(url=server.url)
         names = [BackendConfig(name=f"e{i}", url="http://127.0.0.1:1") for i in range(backends)]
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry))
-            for _ in range(replicas)
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in range(replicas)]
         try:
             views = [SharedLoad(link, BackendPool(names)) for link in links]
             for view in views:

@@ -7,14 +7,13 @@ import random
 from typing import Any
 
 import aiohttp
+from prometheus_client import CollectorRegistry
 
 from loadtest.sim.fleet import SimFleet
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad
-from router.metrics import RedisMetrics, RouterMetrics
-from router.redis.breaker import RedisLink
-from router.redis.client import build_client
+from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
 from tests.helpers import FAST, backends_of, scrape, total, wait_for
 from tests.redis_servers import RedisServer, redis_server
@@ -132,9 +131,7 @@ async def test_a_replica_that_dies_stops_counting():
     with redis_server() as server:
         config = RedisConfig(url=server.url, load_interval_s=0.05, load_ttl_s=0.5)
         backends = [BackendConfig(name="e0", url="http://127.0.0.1:1")]
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in "ab"]
         dead_pool, live_pool = BackendPool(backends), BackendPool(backends)
         dead, live = SharedLoad(links[0], dead_pool), SharedLoad(links[1], live_pool)
         dead_pool["e0"].in_flight = 4
@@ -162,9 +159,7 @@ async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view()
     with redis_server() as server:
         config = RedisConfig(url=server.url)
         backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in "ab"]
         pool_one, pool_two = BackendPool(backends), BackendPool(backends)
         one, two = SharedLoad(links[0], pool_one), SharedLoad(links[1], pool_two)
         pool_one["e0"].in_flight, pool_one["e1"].in_flight = 2, 5
@@ -208,9 +203,7 @@ async def test_replicas_share_their_pending_prefill_and_policies_see_it():
     with redis_server() as server:
         config = RedisConfig(url=server.url)
         backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "abc"
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in "abc"]
         pools = [BackendPool(backends) for _ in links]
         views = [SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True)]
         for pool, (tokens, requests) in zip(pools[:2], [(3000, 2), (500, 1)], strict=True):
@@ -237,9 +230,7 @@ async def test_the_shared_sums_match_every_live_replicas_counts_through_churn():
     names = ["e0", "e1", "e2"]
     with redis_server() as server:
         config = RedisConfig(url=server.url)
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "abcd"
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in "abcd"]
         pools = [BackendPool([BackendConfig(name=n, url="http://127.0.0.1:1") for n in names]) for _ in links]
         views = [SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True)]
         published: dict[int, dict[str, tuple[int, int, int]]] = {}
@@ -286,9 +277,7 @@ async def test_lost_sums_are_rebuilt_from_the_live_replicas_counts():
     with redis_server() as server:
         config = RedisConfig(url=server.url)
         backends = [BackendConfig(name="e0", url="http://127.0.0.1:1")]
-        links = [
-            RedisLink(build_client(config), config, RedisMetrics(RouterMetrics().registry)) for _ in "ab"
-        ]
+        links = [open_link(config, CollectorRegistry()) for _ in "ab"]
         pools = [BackendPool(backends) for _ in links]
         one, two = (SharedLoad(link, pool) for link, pool in zip(links, pools, strict=True))
         pools[0]["e0"].in_flight = 3

@@ -28,9 +28,7 @@ from router.index.memory import MemoryIndex
 from router.index.redis_scripts import MATCH, RECORD, Keys, Script, pack_chain
 from router.index.settings import IndexConfig
 from router.index.write_queue import WriteQueue
-from router.metrics import RedisMetrics
-from router.redis.breaker import RedisLink, RedisUnavailable
-from router.redis.client import build_client
+from router.redis.breaker import RedisLink, RedisUnavailable, open_link
 from router.tasks import stop_task
 
 #: Eviction policies the Redis scripts implement (the score of a block in a backend's ZSET).
@@ -234,6 +232,6 @@ class RedisIndex(PrefixIndex):
 
 def build_redis_index(index: IndexConfig, local: MemoryIndex, registry: CollectorRegistry) -> RedisIndex:
     """The Redis index of ``index.redis``, its link (breaker) and metrics in ``registry``."""
-    config = index.redis
-    link = RedisLink(build_client(config), config, RedisMetrics(registry))
-    return RedisIndex(link, local, eviction=index.eviction, belief_ttl_s=index.ttl_s)
+    return RedisIndex(
+        open_link(index.redis, registry), local, eviction=index.eviction, belief_ttl_s=index.ttl_s
+    )

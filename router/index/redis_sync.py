@@ -37,9 +37,8 @@ from router.index.memory import MemoryIndex
 from router.index.redis_scripts import Keys, pack_chain
 from router.index.settings import IndexConfig
 from router.index.write_queue import WriteQueue
-from router.metrics import RedisMetrics
-from router.redis.breaker import RedisLink, RedisUnavailable
-from router.redis.client import build_client, replica_id
+from router.redis.breaker import RedisLink, RedisUnavailable, open_link
+from router.redis.client import replica_id
 from router.tasks import stop_task
 
 #: How long one stream read waits for new entries before it asks again (a blocking read).
@@ -205,6 +204,4 @@ def build_synced_index(
     index: IndexConfig, block_set: Callable[[int], BlockSet], registry: CollectorRegistry
 ) -> SyncedIndex:
     """The synced index of ``index.redis``, its link (breaker) and metrics in ``registry``."""
-    config = index.redis
-    link = RedisLink(build_client(config), config, RedisMetrics(registry))
-    return SyncedIndex(link, index.max_blocks, block_set)
+    return SyncedIndex(open_link(index.redis, registry), index.max_blocks, block_set)

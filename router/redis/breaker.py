@@ -17,12 +17,13 @@ import time
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
+from prometheus_client import CollectorRegistry
 from redis.exceptions import AuthenticationError, RedisError
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from router.metrics import RedisMetrics
-from router.redis.client import RedisClient
+from router.redis.client import RedisClient, build_client
 from router.redis.settings import RedisConfig
 from router.tasks import stop_task
 
@@ -122,3 +123,8 @@ class RedisLink:
         if self._probe is not None:
             await stop_task(self._probe)
         await self.client.aclose()
+
+
+def open_link(config: RedisConfig, registry: CollectorRegistry) -> RedisLink:
+    """The link to ``config``'s Redis: its client, its breaker, its metrics in ``registry``."""
+    return RedisLink(build_client(config), config, RedisMetrics(registry))
