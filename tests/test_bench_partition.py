@@ -10,7 +10,7 @@ import pytest
 from kvroute.cli import main
 from loadtest.bench_partition import partition, reused_later
 from loadtest.simulate import FleetModel, bounds
-from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace, spread_arrivals
+from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.workloads import generate
 
 
@@ -135,15 +135,3 @@ def test_bad_options_exit_2_with_the_reason(
 ):
     assert main(["bench", "partition", *options]) == 2
     assert message in capsys.readouterr().err
-
-
-def test_spread_arrivals_moves_each_tick_apart_within_its_width():
-    """The trace's ticks (requests at one instant) are spread over ``seconds``, reproducibly."""
-    trace = read_trace(DEFAULT_TRACE, limit=40)
-    spread = spread_arrivals(trace, 3.0, seed=1)
-    assert spread == spread_arrivals(trace, 3.0, seed=1)
-    assert sorted(r.hash_ids for r in spread) == sorted(r.hash_ids for r in trace)
-    assert [r.arrival_s for r in spread] == sorted(r.arrival_s for r in spread)
-    assert len({r.arrival_s for r in trace}) < len(trace) == len({r.arrival_s for r in spread})
-    moved = {r.hash_ids: r.arrival_s for r in spread}
-    assert all(0 <= moved[r.hash_ids] - r.arrival_s < 3.0 for r in trace)
