@@ -336,6 +336,25 @@ class _IndexEvictions(Collector):
         )
 
 
+class WorkerSyncMetrics:
+    """The workers of ``serve --workers N`` keeping each other's index and load in step without
+    Redis (router/fleet/worker_sync.py). Registered only in such a worker, in the app's registry."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self.peer_beliefs = Counter(
+            "kvroute_workers_peer_beliefs",
+            "Beliefs taken from the other workers of serve --workers N (index.store: memory)",
+            registry=registry,
+        )
+        self.dropped_beliefs = Counter(
+            "kvroute_workers_dropped_beliefs",
+            "Beliefs not sent to another worker: not connected (starting, stopping), "
+            "or its connection's buffer full",
+            ["reason"],
+            registry=registry,
+        )
+
+
 #: Redis round trips on loopback take ~0.1-0.3 ms; the lookup deadline is a few ms.
 REDIS_LATENCY_BUCKETS = (0.0001, 0.00025, 0.0005, 0.001, 0.002, 0.005, 0.01, 0.025, 0.1, 0.5, 1)
 

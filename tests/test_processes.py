@@ -1,4 +1,4 @@
-"""``kvroute serve --workers N``: several processes on one port, sharing Redis; and the refusal."""
+"""``kvroute serve --workers N``: several processes on one port, sharing Redis; and the refusals."""
 
 from __future__ import annotations
 
@@ -36,14 +36,6 @@ def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Pa
     return path
 
 
-def test_workers_with_the_memory_store_are_refused(tmp_path):
-    config = write_config(tmp_path / "c.yaml", free_port(), [{"name": "a", "url": "http://127.0.0.1:1"}], {})
-    process = kvroute("serve", "--config", str(config), "--workers", "2")
-    _, err = process.communicate(timeout=30)
-    assert process.returncode == 2
-    assert b"--workers 2 needs index.store: redis" in err
-
-
 def test_workers_refuse_what_they_cannot_serve():
     def config(**sections):
         backends = [{"name": "a", "url": "http://127.0.0.1:1"}]
@@ -53,7 +45,8 @@ def test_workers_refuse_what_they_cannot_serve():
     listen = {"host": "127.0.0.1", "port": 8080}
     assert refusal(config(listen=listen), 1) is None
     assert refusal(config(listen=listen, index=redis), 4) is None
-    assert "needs index.store: redis" in refusal(config(listen=listen), 4)
+    # The memory store too: its workers share over Unix sockets (tests/test_worker_sync.py).
+    assert refusal(config(listen=listen), 4) is None
     assert "fixed listen.port" in refusal(config(listen={"port": 0}, index=redis), 4)
     assert "fixed metrics.listen port" in refusal(
         config(listen=listen, index=redis, metrics={"listen": {"port": 0}}), 4

@@ -44,6 +44,8 @@ def describe(backend: Backend, index: PrefixIndex | None = None) -> dict[str, ob
         "circuit": backend.circuit.state.name.lower(),
         "consecutive_request_failures": backend.circuit.consecutive_failures,
         "in_flight": backend.in_flight,
+        # The other routers' (replicas through Redis, or the other workers of serve --workers N).
+        "in_flight_others": backend.remote_in_flight,
         "engine_waiting": engine.waiting if engine else None,
         "engine_running": engine.running if engine else None,
         "kv_usage": engine.kv_usage if engine else None,

@@ -22,6 +22,7 @@ from router.errors import OpenAIError
 from router.fleet.backends import Backend, BackendPool
 from router.fleet.shared_load import start_shared_load
 from router.fleet.upkeep import FleetUpkeep
+from router.fleet.worker_sync import WorkerSync
 from router.http.admin import admin_routes
 from router.http.auth import auth_middleware
 from router.http.config_view import config_routes
@@ -30,7 +31,8 @@ from router.http.request_context import request_context
 from router.http.worker_metrics import MetricsUnavailable, WorkerGroup, group_exposition
 from router.index import PrefixIndex
 from router.index.build import build_index
-from router.metrics import RouterMetrics
+from router.index.worker_index import WorkerIndex
+from router.metrics import RouterMetrics, WorkerSyncMetrics
 from router.request_path.context import CONTEXT
 from router.request_path.dispatch import Dispatcher
 from router.request_path.endpoints import ENDPOINTS, LABEL_OF_PATH, Endpoint
@@ -169,6 +171,25 @@ def _metrics_handler(
     return handler
 
 
+async def _start_worker_sync(
+    config: Config, group: WorkerGroup | None, pool: BackendPool, index: PrefixIndex, metrics: RouterMetrics
+) -> WorkerSync | None:
+    """A worker of ``serve --workers N`` with the memory store shares its index and load with the
+    other workers (router/fleet/worker_sync.py); with the Redis store, Redis does."""
+    if group is None or config.index.store != "memory":
+        return None
+    sync = WorkerSync(
+        group.index,
+        group.sync_socket_path(group.index),
+        [group.sync_socket_path(peer) for peer in group.peers],
+        pool,
+        index if isinstance(index, WorkerIndex) else None,
+        WorkerSyncMetrics(metrics.registry),
+    )
+    await sync.start()
+    return sync
+
+
 def build_app(
     config: Config, config_path: str | ConfigSource | None = None, group: WorkerGroup | None = None
 ) -> web.Application:
@@ -190,7 +211,7 @@ def build_app(
     app[RUNTIME] = runtime
     if tracing is not None:
         app[TRACING] = tracing
-    index = build_index(config, router_metrics)
+    index = build_index(config, router_metrics, worker=group is not None)
     router_metrics.watch_index(index)
     app[CONFIG] = config
     app[POOL] = pool
@@ -218,6 +239,7 @@ def build_app(
             await upkeep.start()
             await index.start()
             shared_load = start_shared_load(index, pool)
+            worker_sync = await _start_worker_sync(config, group, pool, index, router_metrics)
             kv_events = None
             if config.index.mode == "events":
                 # Imported only in precise mode: pyzmq is the `precise` extra's, not a dependency.
@@ -233,6 +255,8 @@ def build_app(
                 await app[DISPATCHER].close()
                 if shared_load is not None:
                     await shared_load.close()
+                if worker_sync is not None:
+                    await worker_sync.close()
                 await index.close()
                 upstream.close()
                 if tracing is not None:

@@ -1,4 +1,4 @@
-"""``kvroute serve --workers N``: N router processes on one port, sharing state through Redis.
+"""``kvroute serve --workers N``: N router processes on one port, sharing what they believe and their load.
 
 (Named ``processes`` because "workers" means inference engines in the peers' vocabulary;
 the flag keeps the name servers such as gunicorn and uvicorn give it.)
@@ -6,11 +6,11 @@ the flag keeps the name servers such as gunicorn and uvicorn give it.)
 One Python process routes on one core. Each worker is a full router (its own event loop,
 connections and background loops) listening on the same port with SO_REUSEPORT, so the
 kernel spreads incoming connections across them; they share the prefix index and the
-in-flight load through Redis, so the fleet is seen as one router would see it.
-
-The memory store is refused: each worker would keep its own partial picture of the
-engines' caches and load, and the same prefix would be sent to different engines — the
-very problem several workers are meant to solve, silently made worse.
+in-flight load, so the fleet is seen as one router would see it: with ``index.store: memory``
+(the default) over Unix sockets between them (router/fleet/worker_sync.py), with
+``index.store: redis`` through Redis, as router replicas on several hosts do. Unshared, each
+worker would keep its own partial picture of the engines' caches and load, and the same prefix
+would be sent to different engines: the very problem several workers are meant to solve.
 
 Supervision is deliberately simple: SIGTERM or SIGINT stops every worker gracefully (they
 drain, flush queued index updates and withdraw their load), SIGHUP is forwarded to every
@@ -28,7 +28,7 @@ a signal does not say who sent it.
 others for theirs over Unix sockets in a private directory the supervisor makes, and sums
 them (router/http/worker_metrics.py says how, and why not prometheus_client's multiprocess
 mode); a ``metrics.listen`` port of its own is bound by every worker (SO_REUSEPORT) alike.
-Other state that is not in Redis stays per worker: the admin API answers for the worker that
+Other state stays per worker: the admin API answers for the worker that
 takes the connection (``GET /admin/config`` names it by ``pid``), except reloads, which reach
 every worker as said above.
 
@@ -70,12 +70,6 @@ def refusal(config: Config, workers: int) -> str | None:
         return "--workers: expected a positive integer"
     if workers == 1:
         return None
-    if config.index.store != "redis":
-        return (
-            f"--workers {workers} needs index.store: redis. With the memory store every worker would "
-            "keep its own partial view of the engines' caches and load, and route the same prefix to "
-            "different engines. Configure index.store: redis (and index.redis.url), or run one worker."
-        )
     if config.listen.port == 0:
         return "--workers needs a fixed listen.port: with port 0 every worker would listen on a different one"
     metrics_listen = config.metrics.listen

@@ -68,6 +68,10 @@ class WorkerGroup:
     def socket_path(self, index: int) -> str:
         return os.path.join(self.directory, f"worker-{index}.sock")
 
+    def sync_socket_path(self, index: int) -> str:
+        """Where worker ``index`` takes the others' beliefs and load (router/fleet/worker_sync.py)."""
+        return os.path.join(self.directory, f"worker-{index}.sync.sock")
+
     @property
     def peers(self) -> list[int]:
         return [i for i in range(self.size) if i != self.index]

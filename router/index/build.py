@@ -9,15 +9,18 @@ from router.index.memory import MemoryIndex
 from router.index.precise import PreciseIndex
 from router.index.redis_store import build_redis_index
 from router.index.redis_sync import build_synced_index
+from router.index.worker_index import WorkerIndex
 from router.metrics import RouterMetrics
 
 
-def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
+def build_index(config: Config, metrics: RouterMetrics, worker: bool = False) -> PrefixIndex:
     """``index.mode: events``: the precise index, fed by the engines' KV events (router/kv_events);
     else the memory index, wrapped by the Redis index with ``index.store: redis`` (the memory one
     is then its local mirror, its view while Redis is not there), or kept in step with the other
-    replicas' over a Redis stream with ``index.redis.lookup: local``. Every configured backend is
-    tracked from the start with its believed capacity."""
+    replicas' over a Redis stream with ``index.redis.lookup: local``. A ``worker`` of ``serve
+    --workers N`` with the memory store keeps the memory index in step with the other workers'
+    (router/index/worker_index.py). Every configured backend is tracked from the start with its
+    believed capacity."""
     index_config = config.index
     index: PrefixIndex
     if index_config.mode == "events":
@@ -29,6 +32,8 @@ def build_index(config: Config, metrics: RouterMetrics) -> PrefixIndex:
         block_sets = block_set_factory(index_config.eviction, ttl_s=index_config.ttl_s)
         if index_config.store == "redis" and index_config.redis.lookup == "local":
             index = build_synced_index(index_config, block_sets, metrics.registry)
+        elif worker and index_config.store == "memory":
+            index = WorkerIndex(index_config.max_blocks, block_sets)
         else:
             index = MemoryIndex(index_config.max_blocks, block_sets)
             if index_config.store == "redis":

@@ -1,0 +1,254 @@
+"""The workers of one ``kvroute serve --workers N`` with ``index.store: memory`` share what each
+believes and how busy each keeps every backend, over Unix sockets between them.
+
+Without it each worker would route on a partial picture: the kernel spreads connections over
+the workers (SO_REUSEPORT), so a burst sharing a new prefix would go to as many engines as
+there are workers, and each worker would pile requests on an engine the others already keep
+busy. Redis solves that across hosts (``index.store: redis``); within one host the workers have
+a cheaper channel, and needing a Redis server only to run two processes on two cores was a
+cost the operator had no reason to pay.
+
+What goes over it, in one message kind (length-prefixed msgpack, one Unix stream connection
+from each worker to each other one, in the private directory the supervisor makes):
+
+- the beliefs this worker recorded (router/index/worker_index.py's outbox), at most
+  ``BELIEF_DELAY_S`` after the first of them, where the Redis stream took ``sync_interval_ms``
+  plus a round trip; and for a fifth of its CPU (no client library, no server between: about
+  2 % of a saturated worker's samples under py-spy, against about 10 % for the stream);
+- this worker's in-flight requests and pending prefill per backend, with every message and
+  at least every ``LOAD_INTERVAL_S``. Each backend's view then adds the other workers' last
+  counts to this worker's own, as the Redis shared load view does across replicas
+  (router/fleet/shared_load.py). A worker not heard from for ``LOAD_TTL_S`` stops counting;
+  a worker that stops cleanly withdraws its counts at once.
+
+Nothing here is on the request path: a send never waits (a connection whose buffer is full
+drops the message, and counts the beliefs it carried), and a worker whose sibling is not
+listening yet, or has gone, keeps routing on its own picture and reconnects every ``RETRY_S``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import os
+import struct
+import time
+from collections.abc import Sequence
+
+import msgspec
+
+from router.fleet.backends import BackendPool
+from router.index.worker_index import WorkerIndex
+from router.metrics import WorkerSyncMetrics
+from router.tasks import stop_task
+
+log = logging.getLogger("kvroute.workers")
+
+#: Longest a belief waits before it is sent: sends of one burst of requests go together.
+BELIEF_DELAY_S = 0.001
+#: Longest between two messages to each other worker (the load counts' age at most).
+LOAD_INTERVAL_S = 0.01
+#: A worker not heard from for this long (stalled or gone) stops counting in the load view.
+LOAD_TTL_S = 1.0
+#: Wait between attempts to connect to another worker (starting, or restarted).
+RETRY_S = 0.05
+#: Bytes a connection may hold unsent before messages to that worker are dropped.
+MAX_BUFFERED = 4 << 20
+
+_LENGTH = struct.Struct(">I")
+
+
+class Message(msgspec.Struct, array_like=True):
+    """What one worker tells another: its id, new beliefs, and its load per backend."""
+
+    sender: int
+    beliefs: list[tuple[str, list[int]]]
+    #: (backend, in flight, pending prefill tokens, pending prefill requests); empty when leaving.
+    load: list[tuple[str, int, int, int]]
+
+
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(Message).decode
+
+
+class _Incoming(asyncio.Protocol):
+    """One other worker's connection: length-prefixed messages, each handed to ``take``."""
+
+    def __init__(self, sync: WorkerSync) -> None:
+        self.sync = sync
+        self.buffer = bytearray()
+        self.transport: asyncio.BaseTransport | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport
+        self.sync.incoming.add(self)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.sync.incoming.discard(self)
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        view = self.buffer
+        start = 0
+        while len(view) - start >= _LENGTH.size:
+            (length,) = _LENGTH.unpack_from(view, start)
+            end = start + _LENGTH.size + length
+            if end > len(view):
+                break
+            self.sync.take(_decode(bytes(view[start + _LENGTH.size : end])))
+            start = end
+        del self.buffer[:start]
+
+
+class _Outgoing(asyncio.Protocol):
+    """This worker's connection to one other worker; ``closed`` is set when it is lost."""
+
+    def __init__(self) -> None:
+        self.closed = asyncio.get_running_loop().create_future()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if not self.closed.done():
+            self.closed.set_result(None)
+
+
+class WorkerSync:
+    def __init__(
+        self,
+        worker: int,
+        own_path: str,
+        sibling_paths: Sequence[str],
+        pool: BackendPool,
+        index: WorkerIndex | None,
+        metrics: WorkerSyncMetrics,
+    ) -> None:
+        """``index`` is None in precise mode, where every worker reads the engines' own events."""
+        self.worker = worker
+        self.own_path = own_path
+        self.sibling_paths = list(sibling_paths)
+        self.pool = pool
+        self.index = index
+        self.metrics = metrics
+        #: Open connections to the other workers, by socket path.
+        self._links: dict[str, asyncio.Transport] = {}
+        #: The other workers' connections to this one (closed here on close: a server's
+        #: ``wait_closed`` waits for them since Python 3.12).
+        self.incoming: set[_Incoming] = set()
+        #: Each other worker's last load counts, with when they came (monotonic).
+        self._loads: dict[int, tuple[float, dict[str, tuple[int, int, int]]]] = {}
+        self._flush_handle: asyncio.TimerHandle | None = None
+        self._server: asyncio.AbstractServer | None = None
+        self._tasks: list[asyncio.Task[None]] = []
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.own_path)
+        self._server = await loop.create_unix_server(lambda: _Incoming(self), self.own_path)
+        if self.index is not None:
+            self.index.on_outbox = self._schedule_flush
+        self._tasks = [
+            asyncio.create_task(self._connect(path), name=f"kvroute-worker-sync-{i}")
+            for i, path in enumerate(self.sibling_paths)
+        ]
+        self._tasks.append(asyncio.create_task(self._heartbeat(), name="kvroute-worker-sync"))
+
+    async def _connect(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                transport, link = await loop.create_unix_connection(_Outgoing, path)
+            except OSError:  # not listening yet (starting) or any more (stopping)
+                await asyncio.sleep(RETRY_S)
+                continue
+            self._links[path] = transport
+            await link.closed
+            self._links.pop(path, None)
+            await asyncio.sleep(RETRY_S)
+
+    def _schedule_flush(self) -> None:
+        if self._flush_handle is None:
+            self._flush_handle = asyncio.get_running_loop().call_later(BELIEF_DELAY_S, self.flush)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            await asyncio.sleep(LOAD_INTERVAL_S)
+            self.flush()
+            self._expire()
+
+    def flush(self) -> None:
+        """Send the beliefs waiting in the outbox and this worker's load to every other worker."""
+        if self._flush_handle is not None:
+            self._flush_handle.cancel()
+            self._flush_handle = None
+        beliefs = self.index.take_outbox() if self.index is not None else []
+        load = [
+            (b.name, b.in_flight, max(0, b.pending_prefill_tokens), max(0, b.pending_prefill_requests))
+            for b in self.pool
+        ]
+        self._send(Message(self.worker, [(name, list(chain)) for name, chain in beliefs], load))
+
+    def _send(self, message: Message) -> None:
+        payload = _encode(message)
+        frame = _LENGTH.pack(len(payload)) + payload
+        for path in self.sibling_paths:
+            link = self._links.get(path)
+            if link is None or link.is_closing():
+                self.metrics.dropped_beliefs.labels("not_connected").inc(len(message.beliefs))
+            elif link.get_write_buffer_size() > MAX_BUFFERED:
+                self.metrics.dropped_beliefs.labels("buffer_full").inc(len(message.beliefs))
+            else:
+                link.write(frame)
+
+    def take(self, message: Message) -> None:
+        """Apply another worker's message: its beliefs into the index, its load into the view."""
+        if self.index is not None:
+            for backend, chain in message.beliefs:
+                self.index.apply(backend, chain)
+            self.metrics.peer_beliefs.inc(len(message.beliefs))
+        if message.load:
+            counts = {name: (n, tokens, requests) for name, n, tokens, requests in message.load}
+            self._loads[message.sender] = (time.monotonic(), counts)
+        else:
+            self._loads.pop(message.sender, None)
+        self._set_remote()
+
+    def _expire(self) -> None:
+        stale = time.monotonic() - LOAD_TTL_S
+        gone = [worker for worker, (heard, _) in self._loads.items() if heard < stale]
+        for worker in gone:
+            log.warning("worker %d has not reported its load for %.1f s: not counting it", worker, LOAD_TTL_S)
+            del self._loads[worker]
+        if gone:
+            self._set_remote()
+
+    def _set_remote(self) -> None:
+        for backend in self.pool:
+            count = tokens = requests = 0
+            for _, load in self._loads.values():
+                n, t, r = load.get(backend.name, (0, 0, 0))
+                count += n
+                tokens += t
+                requests += r
+            backend.remote_in_flight = count
+            backend.remote_pending_prefill_tokens = tokens
+            backend.remote_pending_prefill_requests = requests
+
+    async def close(self) -> None:
+        """Send what is left, withdraw this worker's load from the others' view, disconnect."""
+        for task in self._tasks:
+            await stop_task(task)
+        self._tasks = []
+        self.flush()
+        self._send(Message(self.worker, [], []))
+        for link in self._links.values():
+            link.close()
+        self._links.clear()
+        if self._server is not None:
+            self._server.close()
+            for connection in list(self.incoming):
+                if connection.transport is not None:
+                    connection.transport.close()
+            await self._server.wait_closed()
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(self.own_path)

@@ -1,0 +1,187 @@
+"""``kvroute serve --workers N`` with the memory store: the workers share what they believe and
+their load over Unix sockets (router/fleet/worker_sync.py), with no Redis anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import struct
+from pathlib import Path
+
+import aiohttp
+import msgspec
+import yaml
+
+from loadtest.sim.fleet import SimFleet
+from router.config import config_from_dict
+from router.fleet.worker_sync import Message
+from router.http.server import RouterServer
+from router.http.worker_metrics import WorkerGroup
+from tests.helpers import FAST, admin_on_free_port, backends_of, kvroute, scrape, total, wait_for
+from tests.redis_servers import free_port
+
+MODEL = "sim-model"
+SYSTEM = "You are a helpful assistant. " * 40
+
+
+async def chat(
+    http: aiohttp.ClientSession, url: str, user: str, max_tokens: int = 2
+) -> aiohttp.ClientResponse:
+    body = {
+        "model": MODEL,
+        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+    }
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        return resp
+
+
+async def backends_seen(http: aiohttp.ClientSession, router: RouterServer) -> dict[str, dict]:
+    async with http.get(f"{router.admin_url}/admin/backends") as resp:
+        assert resp.status == 200
+        return {backend["name"]: backend for backend in (await resp.json())["backends"]}
+
+
+async def test_workers_share_their_index_without_redis(tmp_path, fleet):
+    port = free_port()
+    config = tmp_path / "c.yaml"
+    config.write_text(
+        yaml.safe_dump(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
+                "backends": backends_of(fleet),
+                # The deepest match, deterministically: this tests the shared index, not the
+                # default policy's trade of a hit against load.
+                "routing": {"policy": "prefix_aware"},
+            }
+        )
+    )
+    process = kvroute("serve", "--config", str(config), "--workers", "2", log=tmp_path / "kvroute.log")
+    url = f"http://127.0.0.1:{port}"
+    try:
+
+        async def post() -> aiohttp.ClientResponse:
+            # A new connection each time: the kernel spreads connections, not requests.
+            async with aiohttp.ClientSession() as http:
+                return await chat(http, url, "hi " * 200)
+
+        async def both_listening() -> bool:
+            # /metrics answers 200 once every worker of the group answers for itself.
+            try:
+                async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+                    return resp.status == 200
+            except aiohttp.ClientConnectionError:
+                return False
+
+        await wait_for(both_listening, what="both workers to listen", timeout=30)
+        first = await post()
+        assert first.status == 200
+        backend = first.headers["x-kvroute-backend"]
+
+        async def taken_by_the_other() -> bool:
+            async with aiohttp.ClientSession() as http:
+                samples = await scrape(http, url)
+            return total(samples, "kvroute_workers_peer_beliefs_total") >= 1
+
+        await wait_for(taken_by_the_other, what="the other worker to take the first one's belief")
+        # Whichever worker takes the connection finds the prefix where the first request went.
+        for _ in range(10):
+            resp = await post()
+            assert resp.status == 200
+            assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
+                backend,
+                "prefix_hit",
+            )
+    finally:
+        process.send_signal(signal.SIGTERM)
+        await asyncio.to_thread(process.wait, 40)
+    assert process.returncode == 0
+
+
+async def test_each_worker_counts_the_others_requests_in_flight(tmp_path, http):
+    slow = FAST.__class__(decode_step_s=0.02)
+    async with SimFleet(2, timing=slow) as fleet:
+        backends = backends_of(fleet)
+
+        def config(backends: list[dict], policy: str) -> object:
+            return config_from_dict(
+                admin_on_free_port(
+                    {
+                        "listen": {"host": "127.0.0.1", "port": 0},
+                        "backends": backends,
+                        "routing": {"policy": policy},
+                    }
+                )
+            )
+
+        # Worker 0 only knows e0, so its long requests all land there.
+        async with (
+            RouterServer(config(backends[:1], "prefix_aware"), group=WorkerGroup(str(tmp_path), 0, 2)) as one,
+            RouterServer(config(backends, "least_load"), group=WorkerGroup(str(tmp_path), 1, 2)) as two,
+        ):
+            long_requests = asyncio.gather(
+                *(chat(http, one.url, f"long {i}", max_tokens=150) for i in range(3))
+            )
+
+            async def two_sees_e0_busy() -> bool:
+                return (await backends_seen(http, two))["e0"]["in_flight_others"] == 3
+
+            await wait_for(two_sees_e0_busy, what="worker 1 to see worker 0's three requests on e0")
+            picks = [(await chat(http, two.url, f"short {i}")).headers["x-kvroute-backend"] for i in range(6)]
+            # Unshared, least_load would see two idle backends and use both.
+            assert picks == ["e1"] * 6
+            assert all(r.status == 200 for r in await long_requests)
+
+            async def two_sees_e0_idle() -> bool:
+                return (await backends_seen(http, two))["e0"]["in_flight_others"] == 0
+
+            await wait_for(two_sees_e0_idle, what="worker 0's finished requests to leave worker 1's view")
+
+
+def frame(message: Message) -> bytes:
+    """A message as another worker sends it: length-prefixed msgpack."""
+    payload = msgspec.msgpack.encode(message)
+    return struct.pack(">I", len(payload)) + payload
+
+
+async def send(path: str, message: Message) -> asyncio.StreamWriter:
+    """What another worker would send, on a connection of its own."""
+    _, writer = await asyncio.open_unix_connection(path)
+    writer.write(frame(message))
+    await writer.drain()
+    return writer
+
+
+async def test_a_worker_that_leaves_or_falls_silent_stops_counting(tmp_path, fleet, http):
+    config = config_from_dict(
+        admin_on_free_port({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    )
+    group = WorkerGroup(str(tmp_path), 1, 2)
+    async with RouterServer(config, group=group) as router:
+        sibling = group.sync_socket_path(0)
+        assert Path(group.sync_socket_path(1)).exists()
+
+        async def e0_others() -> int:
+            return (await backends_seen(http, router))["e0"]["in_flight_others"]
+
+        # A clean stop: the last message carries no load, and the counts go at once.
+        writer = await send(group.sync_socket_path(1), Message(0, [], [("e0", 4, 900, 2)]))
+        await wait_for(lambda: _equals(e0_others, 4), what="worker 0's four requests counted")
+        writer.write(frame(Message(0, [], [])))
+        await wait_for(lambda: _equals(e0_others, 0), what="worker 0's counts withdrawn", timeout=0.5)
+        writer.close()
+
+        # A worker that stops talking (stalled or killed) stops counting after LOAD_TTL_S.
+        writer = await send(group.sync_socket_path(1), Message(0, [], [("e0", 5, 0, 0)]))
+        await wait_for(lambda: _equals(e0_others, 5), what="worker 0's five requests counted")
+        await wait_for(lambda: _equals(e0_others, 0), what="a silent worker forgotten", timeout=3)
+        writer.close()
+        assert not Path(sibling).exists()  # nobody listens there: the router keeps routing alone
+        assert (await chat(http, router.url, "alone")).status == 200
+    assert not Path(group.sync_socket_path(1)).exists()
+
+
+async def _equals(read, expected: int) -> bool:
+    return await read() == expected
