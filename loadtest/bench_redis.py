@@ -16,9 +16,11 @@ streaming) against a fresh simulated fleet for each contender, each router a rea
       over a Redis stream                 Redis stream (index.redis.lookup: local)
   (f) one router, --workers W, lookups    (e)'s sync between the worker processes of one
       local                               ``kvroute serve --workers W`` on one port
+  (g) one router, --workers W, memory     the workers sharing over Unix sockets instead
+      store                               (router/fleet/worker_sync.py), no Redis
 
 Requests go to the replicas round robin, as a Kubernetes Service would spread them; the
-kernel spreads (f)'s connections over its workers (SO_REUSEPORT). The
+kernel spreads (f)'s and (g)'s connections over their workers (SO_REUSEPORT). The
 table gives the engines' hit ratio (engine-reported cached prompt tokens / prompt tokens),
 TTFT at the client and at the engines (arrival there to first token: what placement decides,
 without the routers' own processing, which on a shared machine grows with the number of
@@ -400,6 +402,7 @@ async def main_async(args: argparse.Namespace) -> int:
         Contender(f"d_{args.replicas}_own_memory", args.replicas, "memory"),
         Contender(f"e_{args.replicas}_synced_redis", args.replicas, "redis", lookup="local"),
         Contender(f"f_workers_{args.workers}_synced", 1, "redis", lookup="local", workers=args.workers),
+        Contender(f"g_workers_{args.workers}_memory", 1, "memory", workers=args.workers),
     ]
     contenders = [c for c in contenders if c.label[0] in args.contenders]
     span = trace[-1].arrival_s - trace[0].arrival_s
@@ -536,9 +539,11 @@ def build_parser() -> argparse.ArgumentParser:
         type=json.loads,
         help="the routers' routing.params as JSON, e.g. '{\"warmup_blocks\": 0}' (default: none)",
     )
-    parser.add_argument("--workers", type=int, default=2, help="worker processes of (f)'s one router")
     parser.add_argument(
-        "--contenders", default="abcdef", help="which of (a)-(f) to run; (a) is the reference"
+        "--workers", type=int, default=2, help="worker processes of the one router of (f) and (g)"
+    )
+    parser.add_argument(
+        "--contenders", default="abcdefg", help="which of (a)-(g) to run; (a) is the reference"
     )
     parser.add_argument(
         "--nice",

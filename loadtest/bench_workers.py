@@ -14,15 +14,17 @@ router process:
 
 - ``one process``: ``kvroute serve`` pinned to ``--proxy-cpu``, wrk and the backends on
   ``--harness-cpu``: one worker's saturation rate, on a core of its own;
-- ``--workers N``: ``kvroute serve --workers N`` on ``--workers-cpu``, its index shared through a
-  private Redis with ``index.redis.lookup: local`` (what docs/redis.md recommends for workers),
+- ``--workers N``: ``kvroute serve --workers N`` on ``--workers-cpu`` with the memory store, the
+  workers sharing their index and load over Unix sockets (router/fleet/worker_sync.py);
+- ``--workers N, Redis``: the same sharing through a private Redis with
+  ``index.redis.lookup: local`` (what docs/redis.md recommends for workers on a Redis index),
   the Redis server's CPU counted as theirs;
 - ``N separate processes``: N one-process routers with no shared index, pinned one per core of
   ``--workers-cpu``, each with its own wrk: the most N router processes reach on these cores
   with this harness, so the workers' ceiling;
-- with ``--baseline DIR``, ``--workers N (baseline)``: the same workers run from another source
-  tree (``git worktree add /tmp/before HEAD~1``) with a Redis namespace of their own, so a
-  change to the workers is measured against its parent in the same rounds.
+- with ``--baseline DIR``, ``--workers N (baseline)``: the Redis workers run from another
+  source tree (``git worktree add /tmp/before HEAD~1``) with a Redis namespace of their own, so
+  a change to the workers is measured against its parent in the same rounds.
 
 The routers route with ``--policy`` over the overhead benchmark's request bodies (a few shared
 prefixes: hashing, matching and recording to do). The table gives each round's rate, their median,
@@ -189,7 +191,15 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     workers_cores = procs.cpu_list(args.workers_cpu)
     cores = [str(core) for core in sorted(workers_cores)] or [""]
     one = procs.kvroute(workdir, urls, args.proxy_cpu, policy=args.policy, name="one process")
-    workers_of = partial(
+    workers = procs.kvroute(
+        workdir,
+        urls,
+        args.workers_cpu,
+        workers=args.workers,
+        policy=args.policy,
+        name=f"--workers {args.workers}",
+    )
+    redis_workers_of = partial(
         procs.kvroute,
         workdir,
         urls,
@@ -200,7 +210,9 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
         policy=args.policy,
         sync_interval_ms=args.sync_interval_ms,
     )
-    workers = workers_of(name=f"--workers {args.workers}")
+    redis_workers = redis_workers_of(name=f"--workers {args.workers}, Redis")
+    # Those the Redis server's CPU counts to.
+    on_redis = [redis_workers]
     separate = [
         procs.kvroute(workdir, urls, cores[i % len(cores)], policy=args.policy, name=f"separate {i}")
         for i in range(args.workers)
@@ -208,20 +220,21 @@ def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     groups = [
         Group(one.name, [one]),
         Group(workers.name, [workers]),
+        Group(redis_workers.name, [redis_workers]),
         Group(f"{args.workers} separate processes", separate),
     ]
     if args.baseline:
-        baseline = workers_of(name=f"--workers {args.workers} (baseline)", checkout=Path(args.baseline))
+        baseline = redis_workers_of(name=f"--workers {args.workers} (baseline)", checkout=Path(args.baseline))
         groups.append(Group(baseline.name, [baseline]))
+        on_redis.append(baseline)
     routers = [router for group in groups for router in group.routers]
     try:
         backends.start(workdir)
         redis.start()
         if workers_cores:  # on the workers' cores: its CPU is theirs, and so is its core
             os.sched_setaffinity(redis.process.pid, workers_cores)
-        for router in routers:
-            if router.processes > 1:  # the workers, and the baseline's
-                router.cpu_also_of.append(redis.process.pid)
+        for router in on_redis:
+            router.cpu_also_of.append(redis.process.pid)
         for port in ports:
             procs.wait_listening(port, 10, backends.process)
         for router in routers:
@@ -262,7 +275,7 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
         "--sync-interval-ms",
         type=float,
         default=None,
-        help="the workers' index.redis.sync_interval_ms (default: kvroute's, 5)",
+        help="the Redis workers' index.redis.sync_interval_ms (default: kvroute's, 5)",
     )
     parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list of the one-process router")
     parser.add_argument(
@@ -270,7 +283,7 @@ def build_parser(prog: str = "python -m loadtest.bench_workers") -> argparse.Arg
     )
     parser.add_argument("--harness-cpu", default="0", help="CPU list of wrk and the nginx backends")
     parser.add_argument(
-        "--baseline", default="", help="another kvroute source tree: its workers are a fourth contender"
+        "--baseline", default="", help="another kvroute source tree: its Redis workers are one more contender"
     )
     return parser
 

@@ -147,9 +147,10 @@ def kvroute(
     name: str | None = None,
     sync_interval_ms: float | None = None,
 ) -> Contender:
-    """kvroute routing with ``policy``; ``workers`` > 1 shares its index through ``redis_url``
-    (``index.redis.lookup`` ``redis_lookup``, in a namespace of its own: an idle contender
-    sharing a stream with a busy one would spend its cores applying the busy one's beliefs).
+    """kvroute routing with ``policy``; ``workers`` > 1 share their index over Unix sockets
+    (the memory store), or with ``redis_url`` through Redis (``index.redis.lookup``
+    ``redis_lookup``, in a namespace of its own: an idle contender sharing a stream with a busy
+    one would spend its cores applying the busy one's beliefs).
     ``name`` replaces the contender's name, which otherwise says what it runs. ``sync_interval_ms`` sets
     ``index.redis.sync_interval_ms`` (None: kvroute's default).
 
@@ -193,7 +194,7 @@ def kvroute(
     command = [sys.executable, "-m", module, "serve", "--config", str(config)]
     if workers > 1:
         command += ["--workers", str(workers)]
-        default_name = f"kvroute x{workers} lookup {redis_lookup}"
+        default_name = f"kvroute x{workers} " + (f"lookup {redis_lookup}" if redis_url else "memory")
     return Contender(name or default_name, port, pinned(command, cpus), env=env, processes=workers)
 
 

@@ -7,8 +7,9 @@ small SSE chunks) and measures, one contender at a time:
 
 - ``direct``: the load generator talks to a backend itself (the baseline);
 - ``kvroute``: ``kvroute serve`` with ``prefix_aware`` routing, one process (and with
-  ``--workers N`` when ``--workers`` is given here, sharing a Redis index in each
-  ``index.redis.lookup`` mode, the Redis server's CPU counted as theirs, and a table of
+  ``--workers N`` when ``--workers`` is given here: with the memory store, the workers sharing
+  over Unix sockets, and when redis-server is installed sharing a Redis index in each
+  ``index.redis.lookup`` mode, the Redis server's CPU counted as theirs; and a table of
   their rate against one process's, measured and on N cores of their own);
 - ``nginx``: Debian's nginx-light, one worker, ``least_conn``, upstream keepalive,
   ``proxy_buffering off`` — what operators would otherwise put there;
@@ -346,9 +347,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
         contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, access_log=True))
     redis: RedisServer | None = None
     if args.workers > 1:
-        missing = _workers_missing()
+        contenders.append(procs.kvroute(workdir, backend_urls, args.proxy_cpu, args.workers))
+        missing = _redis_missing()
         if missing:
-            contenders.append(procs.Contender(f"kvroute x{args.workers}", 0, missing=missing))
+            contenders.append(procs.Contender(f"kvroute x{args.workers} redis", 0, missing=missing))
         else:
             # A private Redis holds the workers' shared index, in both lookup modes; its CPU
             # time counts as theirs. Give them the cores (--proxy-cpu 0,1) to see them scale.
@@ -418,10 +420,10 @@ async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     return list(results.values())
 
 
-def _workers_missing() -> str | None:
-    """Why ``kvroute serve --workers`` cannot be measured here, or None."""
+def _redis_missing() -> str | None:
+    """Why ``kvroute serve --workers`` cannot be measured with the Redis index here, or None."""
     if shutil.which("redis-server") is None:
-        return "redis-server not installed (kvroute --workers needs index.store: redis)"
+        return "redis-server not installed (needed for the workers' Redis index)"
     return None
 
 
@@ -464,7 +466,10 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
     parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy")
     parser.add_argument("--harness-cpu", default="0", help="CPU list for the load generator and backends")
     parser.add_argument(
-        "--workers", type=int, default=0, help="also run kvroute serve --workers N (N > 1; Redis index)"
+        "--workers",
+        type=int,
+        default=0,
+        help="also run kvroute serve --workers N (N > 1; memory and Redis index)",
     )
     parser.add_argument(
         "--baseline", default="", help="another kvroute source tree, measured as 'kvroute baseline'"
@@ -512,7 +517,7 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
     tables = [("Latency (ms)", *latency), ("Saturation", *saturation)]
     if args.workers > 1:
         workers = workers_table(results, args.workers)
-        print(f"\n--workers {args.workers} against one kvroute (CPU includes the Redis server's)")
+        print(f"\n--workers {args.workers} against one kvroute (with Redis, CPU includes the Redis server's)")
         print(format_table(*workers))
         tables.append((f"--workers {args.workers}", *workers))
     if args.profile:

@@ -143,13 +143,19 @@ def test_table_compares_each_round_with_the_same_rounds_one_process() -> None:
 
 def test_a_short_run_prints_the_contenders_without_errors(capsys: pytest.CaptureFixture[str]) -> None:
     cpus = ["--proxy-cpu", "", "--workers-cpu", "", "--harness-cpu", ""]
-    # This very tree as the baseline: the fourth contender runs from a source tree it is given.
+    # This very tree as the baseline: the last contender runs from a source tree it is given.
     baseline = ["--baseline", str(Path(__file__).resolve().parents[1])]
     assert main(["--rounds", "1", "--seconds", "1", "--concurrency", "4", *cpus, *baseline]) == 0
     out = capsys.readouterr().out
     table = out[out.index("contender") :].splitlines()[2:]
     names = [row.split("  ")[0] for row in table]
-    assert names == ["one process", "--workers 2", "2 separate processes", "--workers 2 (baseline)"]
+    assert names == [
+        "one process",
+        "--workers 2",
+        "--workers 2, Redis",
+        "2 separate processes",
+        "--workers 2 (baseline)",
+    ]
     for row in table:
         assert row.split()[-1] == "0"  # errors
 

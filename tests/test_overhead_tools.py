@@ -164,8 +164,9 @@ async def test_overhead_command_runs_end_to_end(tmp_path):
     assert "## Latency (ms)" in report and "| kvroute |" in report
 
 
-async def test_overhead_measures_workers_in_both_lookup_modes(tmp_path):
-    """``--workers 2``: two contenders sharing a private Redis, one per ``index.redis.lookup``."""
+async def test_overhead_measures_workers_with_each_index_store(tmp_path):
+    """``--workers 2``: workers with the memory store (sharing over Unix sockets), and two
+    contenders sharing a private Redis, one per ``index.redis.lookup``."""
     process = await asyncio.create_subprocess_exec(
         sys.executable, "-m", "loadtest.overhead", "--only", "kvroute", "--rounds", "1", "--rate", "50",
         "--workers", "2", "--seconds", "0.2", "--saturation-seconds", "0.2", "--concurrency", "4",
@@ -175,8 +176,8 @@ async def test_overhead_measures_workers_in_both_lookup_modes(tmp_path):
     output, _ = await asyncio.wait_for(process.communicate(), timeout=90)
     text = output.decode()
     assert process.returncode == 0, text
-    for lookup in ("local", "shared"):
-        rows = [line for line in text.splitlines() if line.startswith(f"kvroute x2 lookup {lookup} ")]
+    for store in ("memory", "lookup local", "lookup shared"):
+        rows = [line for line in text.splitlines() if line.startswith(f"kvroute x2 {store} ")]
         assert len(rows) == 3, text  # the latency, saturation and workers tables
         assert "not run" not in rows[0], text
         # The workers table: the measured ratio and the projection to two cores of their own.

@@ -41,9 +41,11 @@ def test_bench_redis_smoke(tmp_path, capsys):
 
 
 def test_bench_redis_runs_one_router_of_two_workers(tmp_path, capsys):
-    """(f): ``kvroute serve --workers 2`` with synced local lookups serves every request."""
+    """(f) and (g): ``kvroute serve --workers 2``, synced through Redis and over Unix sockets,
+    serves every request."""
     trace = tiny_trace(tmp_path)
     args = ["--trace", str(trace), "--speedup", "20", "--engines", "2", "--kv-blocks", "4096"]
-    assert main([*args, "--contenders", "af", "--workers", "2"]) == 0
+    assert main([*args, "--contenders", "afg", "--workers", "2"]) == 0
     out = capsys.readouterr().out
     assert re.search(r"^f_workers_2_synced\s+8\s+0\s", out, re.MULTILINE), out
+    assert re.search(r"^g_workers_2_memory\s+8\s+0\s", out, re.MULTILINE), out
