@@ -241,7 +241,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--workers",
         type=int,
         default=1,
-        help="router processes on the one port (SO_REUSEPORT); more than 1 needs index.store: redis",
+        help="router processes on the one port (SO_REUSEPORT), sharing their index and load",
     )
     serve.set_defaults(func=_serve)
 

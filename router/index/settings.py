@@ -25,7 +25,8 @@ from router.request_path.settings import TokenizerConfig
 class IndexConfig:
     """``index``: the prefix index (see README "How a request is routed")."""
 
-    #: Where beliefs live: ``memory`` (this process) or ``redis`` (shared by replicas; ``index.redis``).
+    #: Where beliefs live: ``memory`` (this process; the workers of ``serve --workers N`` keep their
+    #: copies in step over Unix sockets) or ``redis`` (shared by replicas on any host; ``index.redis``).
     store: Literal["memory", "redis"] = "memory"
     #: Block size of the prefix chain in characters (UTF-8 bytes) of the prompt as the engine sees it.
     block_size: PositiveInt = 256
