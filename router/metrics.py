@@ -348,7 +348,7 @@ class WorkerSyncMetrics:
         )
         self.dropped_beliefs = Counter(
             "kvroute_workers_dropped_beliefs",
-            "Beliefs not sent to another worker: not connected (starting, stopping), "
+            "Beliefs not sent to another worker: not connected with 4 MiB already waiting for it, "
             "or its connection's buffer full",
             ["reason"],
             registry=registry,

@@ -10,7 +10,7 @@ from router.http.reload import reload_counter
 from router.http.settings import TenantLimits
 from router.index.precise import PreciseIndex
 from router.kv_events.metrics import KVEventMetrics
-from router.metrics import RedisMetrics, RouterMetrics
+from router.metrics import RedisMetrics, RouterMetrics, WorkerSyncMetrics
 from router.request_path.beliefs import BeliefMetrics
 from tests.helpers import backends_of, scrape, total
 
@@ -66,6 +66,7 @@ def test_docs_document_every_metric_with_its_type():
     """docs/metrics.md's table and the registries cannot drift apart."""
     registry = RouterMetrics().registry
     RedisMetrics(registry)
+    WorkerSyncMetrics(registry)
     BeliefMetrics(registry)
     KVEventMetrics(registry, PreciseIndex(16, {}, 2.0, 1000))
     RateLimiter(TenantLimits(), {}, registry)

@@ -185,3 +185,31 @@ async def test_a_worker_that_leaves_or_falls_silent_stops_counting(tmp_path, fle
 
 async def _equals(read, expected: int) -> bool:
     return await read() == expected
+
+
+async def test_beliefs_recorded_before_the_other_worker_listens_reach_it(tmp_path, fleet, http):
+    """The workers start together: what the first one routes before the second listens is kept
+    and sent once it does, not lost to the race."""
+    config = config_from_dict(
+        admin_on_free_port(
+            {
+                "listen": {"host": "127.0.0.1", "port": 0},
+                "backends": backends_of(fleet),
+                "routing": {"policy": "prefix_aware"},
+            }
+        )
+    )
+    async with RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as early:
+        first = await chat(http, early.url, "before the other worker")
+        assert first.status == 200
+        async with RouterServer(config, group=WorkerGroup(str(tmp_path), 1, 2)) as late:
+
+            async def taken() -> bool:
+                return total(await scrape(http, late.url), "kvroute_workers_peer_beliefs_total") >= 1
+
+            await wait_for(taken, what="the late worker to take the early one's belief")
+            again = await chat(http, late.url, "before the other worker")
+            assert (again.headers["x-kvroute-backend"], again.headers["x-kvroute-reason"]) == (
+                first.headers["x-kvroute-backend"],
+                "prefix_hit",
+            )

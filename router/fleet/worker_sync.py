@@ -23,7 +23,8 @@ from each worker to each other one, in the private directory the supervisor make
 
 Nothing here is on the request path: a send never waits (a connection whose buffer is full
 drops the message, and counts the beliefs it carried), and a worker whose sibling is not
-listening yet, or has gone, keeps routing on its own picture and reconnects every ``RETRY_S``.
+listening yet, or has gone, keeps routing on its own picture, keeps what it would have sent
+(bounded) and reconnects every ``RETRY_S``.
 """
 
 from __future__ import annotations
@@ -131,6 +132,11 @@ class WorkerSync:
         self.metrics = metrics
         #: Open connections to the other workers, by socket path.
         self._links: dict[str, asyncio.Transport] = {}
+        #: Messages for a worker not connected yet (or reconnecting), sent once it is: the
+        #: workers start together, and the first requests' beliefs must not be lost to the
+        #: race. Bounded by ``MAX_BUFFERED`` bytes, as a connection's own buffer is.
+        self._backlog: dict[str, list[bytes]] = {path: [] for path in sibling_paths}
+        self._backlog_bytes: dict[str, int] = dict.fromkeys(sibling_paths, 0)
         #: The other workers' connections to this one (closed here on close: a server's
         #: ``wait_closed`` waits for them since Python 3.12).
         self.incoming: set[_Incoming] = set()
@@ -161,6 +167,10 @@ class WorkerSync:
             except OSError:  # not listening yet (starting) or any more (stopping)
                 await asyncio.sleep(RETRY_S)
                 continue
+            for frame in self._backlog[path]:
+                transport.write(frame)
+            self._backlog[path] = []
+            self._backlog_bytes[path] = 0
             self._links[path] = transport
             await link.closed
             self._links.pop(path, None)
@@ -194,7 +204,11 @@ class WorkerSync:
         for path in self.sibling_paths:
             link = self._links.get(path)
             if link is None or link.is_closing():
-                self.metrics.dropped_beliefs.labels("not_connected").inc(len(message.beliefs))
+                if self._backlog_bytes[path] + len(frame) > MAX_BUFFERED:
+                    self.metrics.dropped_beliefs.labels("not_connected").inc(len(message.beliefs))
+                elif message.beliefs or not message.load:  # a load alone is soon out of date
+                    self._backlog[path].append(frame)
+                    self._backlog_bytes[path] += len(frame)
             elif link.get_write_buffer_size() > MAX_BUFFERED:
                 self.metrics.dropped_beliefs.labels("buffer_full").inc(len(message.beliefs))
             else:
