@@ -20,6 +20,7 @@ import pytest
 import yaml
 
 from router.config import Config, config_from_dict
+from router.http.processes import refusal
 from router.http.server import RouterServer
 from tests.certificates import Authority
 
@@ -613,3 +614,15 @@ def test_a_metrics_port_of_its_own_is_what_prometheus_scrapes_and_only_it_may():
 def test_schema_rejects_bad_values_naming_the_key(values, complaint):
     with helm.Chart.load(CHART) as chart, pytest.raises(helm.HelmValuesError, match=complaint):
         chart.render(values, name=RELEASE, namespace=NAMESPACE)
+
+
+def test_workers_run_in_one_pod_on_the_memory_index():
+    """``workers: 2``: the pod runs ``serve --workers 2``, which the rendered config allows (its
+    workers share over Unix sockets; the admin and metrics ports are fixed)."""
+    objects = render({"workers": 2})
+    args = pod_spec(objects)["containers"][0]["args"]
+    assert args == ["serve", "--config", "/etc/kvroute/config.yaml", "--workers", "2"]
+    config = router_config(objects)
+    assert config.index.store == "memory"
+    assert refusal(config, 2) is None
+    assert pod_spec(render({}))["containers"][0]["args"] == ["serve", "--config", "/etc/kvroute/config.yaml"]
