@@ -46,7 +46,9 @@ from router.tasks import stop_task
 
 log = logging.getLogger("kvroute.workers")
 
-#: Longest a belief waits before it is sent: sends of one burst of requests go together.
+#: Longest a belief waits before it is sent: sends of one burst of requests go together, and a
+#: saturated worker sends at most a thousand messages a second. Sending on the next turn of the
+#: event loop instead showed no clear gain on bursts (docs/benchmarks/2026-12-06-workers.md).
 BELIEF_DELAY_S = 0.001
 #: Longest between two messages to each other worker (the load counts' age at most).
 LOAD_INTERVAL_S = 0.01
