@@ -44,6 +44,38 @@ TEST_ADMIN_LISTEN = {"host": "127.0.0.1", "port": 0}
 INDEX_BACKENDS = ["a", "b", "c"]
 
 
+#: A system prompt of several index blocks, shared by every request of a test that checks routing.
+SHARED_SYSTEM = "You are a careful assistant. " * 40
+
+
+async def chat_after_system(
+    http: aiohttp.ClientSession, url: str, user: str, max_tokens: int = 2
+) -> aiohttp.ClientResponse:
+    """A chat completion after ``SHARED_SYSTEM`` (body read); the response, for its status and headers."""
+    body = {
+        "model": "sim-model",
+        "messages": [{"role": "system", "content": SHARED_SYSTEM}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+    }
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        await resp.read()
+        return resp
+
+
+async def assert_every_connection_hits(
+    post: Callable[[], Awaitable[aiohttp.ClientResponse]], backend: str, times: int = 10
+) -> None:
+    """``times`` requests, each on a new connection (so the kernel spreads them over the workers
+    of ``serve --workers N``), all find their prefix on ``backend``."""
+    for _ in range(times):
+        resp = await post()
+        assert resp.status == 200
+        assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
+            backend,
+            "prefix_hit",
+        )
+
+
 def admin_on_free_port(config: dict[str, Any]) -> dict[str, Any]:
     """``config`` with the admin API on a free loopback port, unless it says where it listens."""
     admin = dict(config.get("admin") or {})

@@ -12,7 +12,7 @@ import yaml
 
 from router.config import config_from_dict
 from router.http.processes import refusal
-from tests.helpers import backends_of, kvroute, scrape, total, wait_for
+from tests.helpers import assert_every_connection_hits, backends_of, kvroute, scrape, total, wait_for
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
@@ -98,13 +98,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet, lookup):
 
             await wait_for(recorded, what=f"blocks of {backend} shared through Redis ({lookup})")
             # Whichever worker takes the connection finds the prefix in the shared index.
-            for _ in range(10):
-                resp = await post()
-                assert resp.status == 200
-                assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
-                    backend,
-                    "prefix_hit",
-                )
+            await assert_every_connection_hits(post, backend)
 
             # SIGHUP reaches every worker: each re-reads the file (here refusing a broken one).
             config.write_text("listen: [not, a, mapping]\n")

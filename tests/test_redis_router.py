@@ -16,27 +16,12 @@ from router.fleet.shared_load import SharedLoad
 from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
 from tests.helpers import FAST, backends_of, scrape, total, wait_for
+from tests.helpers import chat_after_system as chat
 from tests.redis_servers import RedisServer, redis_server
-
-MODEL = "sim-model"
-SYSTEM = "You are a careful assistant. " * 40
 
 
 def redis_index(server: RedisServer, **redis: Any) -> dict[str, Any]:
     return {"store": "redis", "redis": {"url": server.url, "retry_interval_s": 0.05, **redis}}
-
-
-async def chat(
-    http: aiohttp.ClientSession, url: str, user: str, max_tokens: int = 2
-) -> aiohttp.ClientResponse:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        "max_tokens": max_tokens,
-    }
-    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-        await resp.read()
-        return resp
 
 
 async def test_a_prefix_routed_by_one_replica_is_found_by_another(redis_server, fleet, make_router, http):

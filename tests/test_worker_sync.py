@@ -17,24 +17,20 @@ from router.config import config_from_dict
 from router.fleet.worker_sync import Message
 from router.http.server import RouterServer
 from router.http.worker_metrics import WorkerGroup
-from tests.helpers import FAST, admin_on_free_port, backends_of, kvroute, scrape, total, wait_for
+from tests.helpers import (
+    FAST,
+    admin_on_free_port,
+    assert_every_connection_hits,
+    backends_of,
+    kvroute,
+    scrape,
+    total,
+    wait_for,
+)
+from tests.helpers import (
+    chat_after_system as chat,
+)
 from tests.redis_servers import free_port
-
-MODEL = "sim-model"
-SYSTEM = "You are a helpful assistant. " * 40
-
-
-async def chat(
-    http: aiohttp.ClientSession, url: str, user: str, max_tokens: int = 2
-) -> aiohttp.ClientResponse:
-    body = {
-        "model": MODEL,
-        "messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": user}],
-        "max_tokens": max_tokens,
-    }
-    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
-        await resp.read()
-        return resp
 
 
 async def backends_seen(http: aiohttp.ClientSession, router: RouterServer) -> dict[str, dict]:
@@ -87,13 +83,7 @@ async def test_workers_share_their_index_without_redis(tmp_path, fleet):
 
         await wait_for(taken_by_the_other, what="the other worker to take the first one's belief")
         # Whichever worker takes the connection finds the prefix where the first request went.
-        for _ in range(10):
-            resp = await post()
-            assert resp.status == 200
-            assert (resp.headers["x-kvroute-backend"], resp.headers["x-kvroute-reason"]) == (
-                backend,
-                "prefix_hit",
-            )
+        await assert_every_connection_hits(post, backend)
     finally:
         process.send_signal(signal.SIGTERM)
         await asyncio.to_thread(process.wait, 40)
