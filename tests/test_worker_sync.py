@@ -111,8 +111,9 @@ async def test_each_worker_counts_the_others_requests_in_flight(tmp_path, http):
             RouterServer(config(backends[:1], "prefix_aware"), group=WorkerGroup(str(tmp_path), 0, 2)) as one,
             RouterServer(config(backends, "least_load"), group=WorkerGroup(str(tmp_path), 1, 2)) as two,
         ):
+            # 300 tokens at 20 ms: 6 s in flight, long enough for a slow machine to see them.
             long_requests = asyncio.gather(
-                *(chat(http, one.url, f"long {i}", max_tokens=150) for i in range(3))
+                *(chat(http, one.url, f"long {i}", max_tokens=300) for i in range(3))
             )
 
             async def two_sees_e0_busy() -> bool:
@@ -156,11 +157,11 @@ async def test_a_worker_that_leaves_or_falls_silent_stops_counting(tmp_path, fle
         async def e0_others() -> int:
             return (await backends_seen(http, router))["e0"]["in_flight_others"]
 
-        # A clean stop: the last message carries no load, and the counts go at once.
+        # A clean stop: the last message says so, and the counts go at once.
         writer = await send(group.sync_socket_path(1), Message(0, [], [("e0", 4, 900, 2)]))
         await wait_for(lambda: _equals(e0_others, 4), what="worker 0's four requests counted")
-        writer.write(frame(Message(0, [], [])))
-        await wait_for(lambda: _equals(e0_others, 0), what="worker 0's counts withdrawn", timeout=0.5)
+        writer.write(frame(Message(0, [], [], leaving=True)))
+        await wait_for(lambda: _equals(e0_others, 0), what="worker 0's counts withdrawn", timeout=2)
         writer.close()
 
         # A worker that stops talking (stalled or killed) stops counting after LOAD_TTL_S.
@@ -203,3 +204,37 @@ async def test_beliefs_recorded_before_the_other_worker_listens_reach_it(tmp_pat
                 first.headers["x-kvroute-backend"],
                 "prefix_hit",
             )
+
+            # No echo: a belief taken from another worker is not sent back. Once the early worker
+            # has taken the late one's (its second request's), the group has taken two beliefs;
+            # an echo would have come back with it, and made three or more.
+            async def each_took_one() -> bool:
+                return total(await scrape(http, late.url), "kvroute_workers_peer_beliefs_total") >= 2
+
+            await wait_for(each_took_one, what="the early worker to take the late one's belief")
+            assert total(await scrape(http, late.url), "kvroute_workers_peer_beliefs_total") == 2
+
+
+async def test_a_belief_withdrawn_after_a_failed_pick_leaves_the_other_workers(tmp_path, fault_engines, http):
+    """The belief recorded at the pick may reach the other worker before the engine's failure
+    does; the withdrawal follows it, so no worker sends the prefix back to where it failed."""
+    (failing,) = await fault_engines("status")
+    backends = [{"name": "f0", "url": failing.url, "models": ["sim-model"]}]
+    listen = {"host": "127.0.0.1", "port": 0}
+    config = config_from_dict(
+        admin_on_free_port({"listen": listen, "backends": backends, "routing": {"policy": "prefix_aware"}})
+    )
+    async with (
+        RouterServer(config, group=WorkerGroup(str(tmp_path), 0, 2)) as picker,
+        RouterServer(config, group=WorkerGroup(str(tmp_path), 1, 2)) as other,
+    ):
+        assert (await chat(http, picker.url, "to an engine that fails")).status == 502  # after its retry
+        assert failing.received >= 1
+
+        async def withdrawn_there() -> bool:
+            # Every change taken (beliefs and withdrawals), and nothing of f0's left believed.
+            taken = total(await scrape(http, other.url), "kvroute_workers_peer_beliefs_total")
+            held = (await backends_seen(http, other))["f0"]["index_blocks"]
+            return taken >= 2 * failing.received and held == 0
+
+        await wait_for(withdrawn_there, what="the failed pick's belief withdrawn from the other worker")

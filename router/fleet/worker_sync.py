@@ -11,13 +11,14 @@ cost the operator had no reason to pay.
 What goes over it, in one message kind (length-prefixed msgpack, one Unix stream connection
 from each worker to each other one, in the private directory the supervisor makes):
 
-- the beliefs this worker recorded (router/index/worker_index.py's outbox), at most
+- the beliefs this worker recorded or withdrew (router/index/worker_index.py's outbox), at most
   ``BELIEF_DELAY_S`` after the first of them, where the Redis stream took ``sync_interval_ms``
   plus a round trip; and for a fifth of its CPU (no client library, no server between: about
   2 % of a saturated worker's samples under py-spy, against about 10 % for the stream);
-- this worker's in-flight requests and pending prefill per backend, with every message and
-  at least every ``LOAD_INTERVAL_S``. Each backend's view then adds the other workers' last
-  counts to this worker's own, as the Redis shared load view does across replicas
+- this worker's in-flight requests and pending prefill per backend, with every message, and
+  within ``LOAD_INTERVAL_S`` of a change (every ``KEEPALIVE_S`` when nothing changes). Each
+  backend's view then adds the other workers' last counts to this worker's own, as the Redis
+  shared load view does across replicas
   (router/fleet/shared_load.py). A worker not heard from for ``LOAD_TTL_S`` stops counting;
   a worker that stops cleanly withdraws its counts at once.
 
@@ -32,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import os
 import struct
 import time
@@ -50,12 +52,17 @@ log = logging.getLogger("kvroute.workers")
 #: saturated worker sends at most a thousand messages a second. Sending on the next turn of the
 #: event loop instead showed no clear gain on bursts (docs/benchmarks/2026-12-06-workers.md).
 BELIEF_DELAY_S = 0.001
-#: Longest between two messages to each other worker (the load counts' age at most).
+#: How often this worker's load is looked at, and sent if it changed (its age at most).
 LOAD_INTERVAL_S = 0.01
+#: Longest between two messages to each other worker while nothing changes: an idle group of
+#: N workers does not send N x (N - 1) messages every ``LOAD_INTERVAL_S``.
+KEEPALIVE_S = 0.25
 #: A worker not heard from for this long (stalled or gone) stops counting in the load view.
 LOAD_TTL_S = 1.0
 #: Wait between attempts to connect to another worker (starting, or restarted).
 RETRY_S = 0.05
+#: Longest a stopping worker waits for the other workers' connections to it to close.
+CLOSE_WAIT_S = 1.0
 #: Bytes a connection may hold unsent before messages to that worker are dropped.
 MAX_BUFFERED = 4 << 20
 
@@ -63,12 +70,15 @@ _LENGTH = struct.Struct(">I")
 
 
 class Message(msgspec.Struct, array_like=True):
-    """What one worker tells another: its id, new beliefs, and its load per backend."""
+    """What one worker tells another: its id, its index's changes, and its load per backend."""
 
     sender: int
-    beliefs: list[tuple[str, list[int]]]
-    #: (backend, in flight, pending prefill tokens, pending prefill requests); empty when leaving.
+    #: (backend, chain, held): a belief recorded (True) or withdrawn after a failure (False).
+    beliefs: list[tuple[str, list[int], bool]]
+    #: (backend, in flight, pending prefill tokens, pending prefill requests).
     load: list[tuple[str, int, int, int]]
+    #: The sender is stopping: its counts leave the load view at once.
+    leaving: bool = False
 
 
 _encode = msgspec.msgpack.Encoder().encode
@@ -145,6 +155,9 @@ class WorkerSync:
         #: Each other worker's last load counts, with when they came (monotonic).
         self._loads: dict[int, tuple[float, dict[str, tuple[int, int, int]]]] = {}
         self._flush_handle: asyncio.TimerHandle | None = None
+        #: The load last sent, and when (monotonic): an unchanged load is not sent again soon.
+        self._load_sent: list[tuple[str, int, int, int]] = []
+        self._sent_at = -math.inf
         self._server: asyncio.AbstractServer | None = None
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -185,11 +198,12 @@ class WorkerSync:
     async def _heartbeat(self) -> None:
         while True:
             await asyncio.sleep(LOAD_INTERVAL_S)
-            self.flush()
+            self.flush(quiet_ok=True)
             self._expire()
 
-    def flush(self) -> None:
-        """Send the beliefs waiting in the outbox and this worker's load to every other worker."""
+    def flush(self, quiet_ok: bool = False) -> None:
+        """Send the changes waiting in the outbox and this worker's load to every other worker;
+        with ``quiet_ok``, nothing when neither changed and the last send is recent."""
         if self._flush_handle is not None:
             self._flush_handle.cancel()
             self._flush_handle = None
@@ -198,7 +212,11 @@ class WorkerSync:
             (b.name, b.in_flight, max(0, b.pending_prefill_tokens), max(0, b.pending_prefill_requests))
             for b in self.pool
         ]
-        self._send(Message(self.worker, [(name, list(chain)) for name, chain in beliefs], load))
+        now = time.monotonic()
+        if quiet_ok and not beliefs and load == self._load_sent and now - self._sent_at < KEEPALIVE_S:
+            return
+        self._load_sent, self._sent_at = load, now
+        self._send(Message(self.worker, [(name, list(chain), held) for name, chain, held in beliefs], load))
 
     def _send(self, message: Message) -> None:
         payload = _encode(message)
@@ -208,7 +226,7 @@ class WorkerSync:
             if link is None or link.is_closing():
                 if self._backlog_bytes[path] + len(frame) > MAX_BUFFERED:
                     self.metrics.dropped_beliefs.labels("not_connected").inc(len(message.beliefs))
-                elif message.beliefs or not message.load:  # a load alone is soon out of date
+                elif message.beliefs or message.leaving:  # a load alone is soon out of date
                     self._backlog[path].append(frame)
                     self._backlog_bytes[path] += len(frame)
             elif link.get_write_buffer_size() > MAX_BUFFERED:
@@ -217,16 +235,15 @@ class WorkerSync:
                 link.write(frame)
 
     def take(self, message: Message) -> None:
-        """Apply another worker's message: its beliefs into the index, its load into the view."""
-        if self.index is not None:
-            for backend, chain in message.beliefs:
-                self.index.apply(backend, chain)
-            self.metrics.peer_beliefs.inc(len(message.beliefs))
-        if message.load:
+        """Apply another worker's message: its index's changes here, its load into the view."""
+        if self.index is not None and message.beliefs:
+            applied = sum(self.index.apply(backend, chain, held) for backend, chain, held in message.beliefs)
+            self.metrics.peer_beliefs.inc(applied)
+        if message.leaving:
+            self._loads.pop(message.sender, None)
+        else:
             counts = {name: (n, tokens, requests) for name, n, tokens, requests in message.load}
             self._loads[message.sender] = (time.monotonic(), counts)
-        else:
-            self._loads.pop(message.sender, None)
         self._set_remote()
 
     def _expire(self) -> None:
@@ -256,7 +273,9 @@ class WorkerSync:
             await stop_task(task)
         self._tasks = []
         self.flush()
-        self._send(Message(self.worker, [], []))
+        self._send(Message(self.worker, [], [], leaving=True))
+        if self.index is not None:
+            self.index.on_outbox = lambda: None
         for link in self._links.values():
             link.close()
         self._links.clear()
@@ -265,6 +284,9 @@ class WorkerSync:
             for connection in list(self.incoming):
                 if connection.transport is not None:
                     connection.transport.close()
-            await self._server.wait_closed()
+            # Bounded: since Python 3.12 it waits for connections, and one accepted just now may
+            # not be in ``incoming`` yet; its worker closes it as it stops too.
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._server.wait_closed(), CLOSE_WAIT_S)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.own_path)
