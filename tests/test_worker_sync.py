@@ -174,6 +174,37 @@ async def test_a_worker_that_leaves_or_falls_silent_stops_counting(tmp_path, fle
     assert not Path(group.sync_socket_path(1)).exists()
 
 
+async def test_messages_split_across_reads_or_sharing_one_are_each_applied(tmp_path, fleet, http):
+    """A stream carries no message boundaries: a frame that arrives in pieces, and two frames in
+    one read, are each taken whole."""
+    config = config_from_dict(
+        admin_on_free_port({"listen": {"host": "127.0.0.1", "port": 0}, "backends": backends_of(fleet)})
+    )
+    group = WorkerGroup(str(tmp_path), 1, 2)
+    async with RouterServer(config, group=group) as router:
+        first = frame(Message(0, [("e0", [11, 12, 13], True)], [("e0", 4, 0, 0)]))
+        second = frame(Message(0, [], [("e0", 7, 0, 0)]))
+        _, writer = await asyncio.open_unix_connection(group.sync_socket_path(1))
+        writer.write(first[:3])  # not even the whole length prefix
+        await writer.drain()
+
+        async def e0() -> dict:
+            return (await backends_seen(http, router))["e0"]
+
+        assert (await e0())["in_flight_others"] == 0
+        writer.write(first[3:9])
+        await writer.drain()
+        writer.write(first[9:] + second)
+        await writer.drain()
+
+        async def both_taken() -> bool:
+            seen = await e0()
+            return (seen["index_blocks"], seen["in_flight_others"]) == (3, 7)
+
+        await wait_for(both_taken, what="the split frame's belief and the second frame's load")
+        writer.close()
+
+
 async def _equals(read, expected: int) -> bool:
     return await read() == expected
 
