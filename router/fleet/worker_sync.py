@@ -286,7 +286,7 @@ class WorkerSync:
                     connection.transport.close()
             # Bounded: since Python 3.12 it waits for connections, and one accepted just now may
             # not be in ``incoming`` yet; its worker closes it as it stops too.
-            with contextlib.suppress(TimeoutError):
+            with contextlib.suppress(asyncio.TimeoutError):  # not the builtin one before 3.11
                 await asyncio.wait_for(self._server.wait_closed(), CLOSE_WAIT_S)
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.own_path)

@@ -506,8 +506,9 @@ class UpstreamPool:
         try:
             # The TLS handshake is part of connecting: it counts against the same timeout.
             _, connection = await asyncio.wait_for(opening, self.connect_timeout)
-        except TimeoutError as exc:
-            # First: a TimeoutError is an OSError (since Python 3.10), and says nothing itself.
+        except asyncio.TimeoutError as exc:
+            # asyncio's (the builtin TimeoutError only since Python 3.11, which kvroute also
+            # runs before); caught first: the builtin one is an OSError, and says nothing itself.
             detail = f"connecting to {origin.host}:{origin.port} timed out after {self.connect_timeout:g} s"
             raise ConnectFailed(detail) from exc
         except (OSError, ssl.SSLError) as exc:
