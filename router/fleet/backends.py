@@ -128,6 +128,17 @@ class Backend:
             kv_usage=engine.kv_usage if engine else None,
         )
 
+    def own_load(self) -> tuple[int, int, int]:
+        """What this router tells the others of its load here: in flight, pending prefill tokens
+        and requests (floored at 0: a release may briefly run ahead of its acquire's count)."""
+        return self.in_flight, max(0, self.pending_prefill_tokens), max(0, self.pending_prefill_requests)
+
+    def set_remote_load(self, count: int, tokens: int, requests: int) -> None:
+        """The other routers' load here (router replicas through Redis, or the other workers)."""
+        self.remote_in_flight = count
+        self.remote_pending_prefill_tokens = tokens
+        self.remote_pending_prefill_requests = requests
+
     def view(self, matched_blocks: int, cached_blocks: int) -> BackendView:
         engine = self.fresh_engine_stats()
         return BackendView(

@@ -60,12 +60,7 @@ class SharedLoad:
         """Publish this replica's counts and take in the others'; RedisUnavailable when Redis fails."""
         args: list[object] = [self.id, int(self.config.load_ttl_s * 1000)]
         for backend in self.pool:
-            args += [
-                backend.name,
-                backend.in_flight,
-                max(0, backend.pending_prefill_tokens),
-                max(0, backend.pending_prefill_requests),
-            ]
+            args += [backend.name, *backend.own_load()]
         reply = await self.link.call(
             "load",
             lambda: _LOAD(self.link.client, self._keys, args),
@@ -83,9 +78,7 @@ class SharedLoad:
     def _set_others(self, others: dict[str, tuple[int, int, int]]) -> None:
         for backend in self.pool:
             count, tokens, requests = others.get(backend.name, (0, 0, 0))
-            backend.remote_in_flight = count
-            backend.remote_pending_prefill_tokens = tokens
-            backend.remote_pending_prefill_requests = requests
+            backend.set_remote_load(count, tokens, requests)
             self.link.metrics.others_in_flight.labels(backend.name).set(count)
 
     async def _run(self) -> None:

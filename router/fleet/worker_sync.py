@@ -208,10 +208,7 @@ class WorkerSync:
             self._flush_handle.cancel()
             self._flush_handle = None
         beliefs = self.index.take_outbox() if self.index is not None else []
-        load = [
-            (b.name, b.in_flight, max(0, b.pending_prefill_tokens), max(0, b.pending_prefill_requests))
-            for b in self.pool
-        ]
+        load = [(b.name, *b.own_load()) for b in self.pool]
         now = time.monotonic()
         if quiet_ok and not beliefs and load == self._load_sent and now - self._sent_at < KEEPALIVE_S:
             return
@@ -263,9 +260,7 @@ class WorkerSync:
                 count += n
                 tokens += t
                 requests += r
-            backend.remote_in_flight = count
-            backend.remote_pending_prefill_tokens = tokens
-            backend.remote_pending_prefill_requests = requests
+            backend.set_remote_load(count, tokens, requests)
 
     async def close(self) -> None:
         """Send what is left, withdraw this worker's load from the others' view, disconnect."""
