@@ -22,6 +22,7 @@ import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.programs import require
+from loadtest.redis_server import free_port
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import Config, config_from_dict
@@ -60,6 +61,41 @@ async def chat_after_system(
     async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
         await resp.read()
         return resp
+
+
+def write_workers_config(
+    path: Path, port: int, backends: list[dict[str, Any]], index: dict[str, Any]
+) -> Path:
+    """A config for ``serve --workers N``: the router on ``port``, its admin API on a free port
+    of its own (every worker binds both), routing by the deepest match."""
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "listen": {"host": "127.0.0.1", "port": port},
+                "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
+                "backends": backends,
+                "index": index,
+                # The deepest match, deterministically: the workers' tests test their shared
+                # index, not the default policy's trade of a hit against load.
+                "routing": {"policy": "prefix_aware"},
+            }
+        )
+    )
+    return path
+
+
+async def wait_every_worker_answers(url: str, timeout: float) -> None:
+    """Until ``/metrics`` at ``url`` answers 200, which it does once every worker of the group
+    answers for itself (router/http/worker_metrics.py)."""
+
+    async def answers() -> bool:
+        try:
+            async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
+                return resp.status == 200
+        except aiohttp.ClientConnectionError:
+            return False
+
+    await wait_for(answers, what="every worker to listen", timeout=timeout)
 
 
 async def assert_every_connection_hits(

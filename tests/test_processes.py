@@ -4,36 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import signal
-from pathlib import Path
 
 import aiohttp
 import pytest
-import yaml
 
 from router.config import config_from_dict
 from router.http.processes import refusal
-from tests.helpers import assert_every_connection_hits, backends_of, kvroute, scrape, total, wait_for
+from tests.helpers import (
+    assert_every_connection_hits,
+    backends_of,
+    kvroute,
+    scrape,
+    total,
+    wait_for,
+    write_workers_config,
+)
 from tests.redis_servers import free_port, redis_server
 
 MODEL = "sim-model"
-
-
-def write_config(path: Path, port: int, backends: list[dict], index: dict) -> Path:
-    """A router on ``port``, its admin API on a free port of its own."""
-    path.write_text(
-        yaml.safe_dump(
-            {
-                "listen": {"host": "127.0.0.1", "port": port},
-                "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
-                "backends": backends,
-                "index": index,
-                # The deepest match, deterministically: this file tests the workers' shared
-                # index, not the default policy's trade of a hit against load.
-                "routing": {"policy": "prefix_aware"},
-            }
-        )
-    )
-    return path
 
 
 def test_workers_refuse_what_they_cannot_serve():
@@ -65,7 +53,7 @@ async def test_workers_share_one_port_and_redis(tmp_path, fleet, lookup):
     with redis_server() as server:
         port = free_port()
         index = {"store": "redis", "redis": {"url": server.url, "load_interval_s": 0.05, "lookup": lookup}}
-        config = write_config(tmp_path / "c.yaml", port, backends_of(fleet), index)
+        config = write_workers_config(tmp_path / "c.yaml", port, backends_of(fleet), index)
         log = tmp_path / "kvroute.log"
         process = kvroute("serve", "--config", str(config), "--workers", "2", log=log)
         try:

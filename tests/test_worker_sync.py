@@ -10,7 +10,6 @@ from pathlib import Path
 
 import aiohttp
 import msgspec
-import yaml
 
 from loadtest.sim.fleet import SimFleet
 from router.config import config_from_dict
@@ -25,7 +24,9 @@ from tests.helpers import (
     kvroute,
     scrape,
     total,
+    wait_every_worker_answers,
     wait_for,
+    write_workers_config,
 )
 from tests.helpers import (
     chat_after_system as chat,
@@ -41,19 +42,7 @@ async def backends_seen(http: aiohttp.ClientSession, router: RouterServer) -> di
 
 async def test_workers_share_their_index_without_redis(tmp_path, fleet):
     port = free_port()
-    config = tmp_path / "c.yaml"
-    config.write_text(
-        yaml.safe_dump(
-            {
-                "listen": {"host": "127.0.0.1", "port": port},
-                "admin": {"listen": {"host": "127.0.0.1", "port": free_port()}},
-                "backends": backends_of(fleet),
-                # The deepest match, deterministically: this tests the shared index, not the
-                # default policy's trade of a hit against load.
-                "routing": {"policy": "prefix_aware"},
-            }
-        )
-    )
+    config = write_workers_config(tmp_path / "c.yaml", port, backends_of(fleet), {"store": "memory"})
     process = kvroute("serve", "--config", str(config), "--workers", "2", log=tmp_path / "kvroute.log")
     url = f"http://127.0.0.1:{port}"
     try:
@@ -63,15 +52,7 @@ async def test_workers_share_their_index_without_redis(tmp_path, fleet):
             async with aiohttp.ClientSession() as http:
                 return await chat(http, url, "hi " * 200)
 
-        async def both_listening() -> bool:
-            # /metrics answers 200 once every worker of the group answers for itself.
-            try:
-                async with aiohttp.ClientSession() as http, http.get(f"{url}/metrics") as resp:
-                    return resp.status == 200
-            except aiohttp.ClientConnectionError:
-                return False
-
-        await wait_for(both_listening, what="both workers to listen", timeout=30)
+        await wait_every_worker_answers(url, timeout=30)
         first = await post()
         assert first.status == 200
         backend = first.headers["x-kvroute-backend"]

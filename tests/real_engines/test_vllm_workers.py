@@ -13,7 +13,7 @@ import yaml
 from openai import AsyncOpenAI
 
 from loadtest.vllm_replicas import BLOCK_SIZE, VllmReplica
-from tests.helpers import kvroute, scrape, total, wait_for
+from tests.helpers import kvroute, scrape, total, wait_every_worker_answers
 from tests.real_engines.traffic import Conversation, backends, in_rotation
 from tests.redis_servers import free_port
 
@@ -36,16 +36,7 @@ async def test_two_workers_keep_each_conversation_on_its_replica(
     process = kvroute("serve", "--config", str(config), "--workers", "2", log=tmp_path / "kvroute.log")
     url = f"http://127.0.0.1:{port}"
     try:
-
-        async def both_workers_answer() -> bool:
-            # /metrics answers 200 once every worker of the group answers for itself.
-            try:
-                async with http.get(f"{url}/metrics") as resp:
-                    return resp.status == 200
-            except aiohttp.ClientConnectionError:
-                return False
-
-        await wait_for(both_workers_answer, what="both workers to listen", timeout=60)
+        await wait_every_worker_answers(url, timeout=60)
         await in_rotation(http, f"http://127.0.0.1:{admin_port}", [r.name for r in vllm_pair])
         conversations = [Conversation(seed) for seed in range(601, 605)]
         for _ in range(3):
