@@ -10,9 +10,10 @@ For each fleet (``R``x``B``: R replicas, B backends) this starts a private ``red
 has R real ``SharedLoad`` publishers (the router's own code, each with B backends) call in
 turn ``--calls`` times, every count changed before each call (seeded), and reads Redis's own
 CPU time per call (``INFO commandstats``), so the figure is Redis's work, not the client's.
-The table gives it, its ratio to the first fleet's, and the share of Redis's one core the
-fleet takes at a 20 ms and a 100 ms interval. Everything runs on loopback and stops after
-the calls.
+The table gives it, its ratio to the first fleet's, the interval the replicas call at with
+the default settings (``load_interval_s``, stretched by ``load_interval_fleet`` on large
+fleets), and the share of Redis's one core the fleet takes at that interval and at 100 ms
+(the default before 2026-12-07). Everything runs on loopback and stops after the calls.
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ from router.fleet.shared_load import SharedLoad
 from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
 
-#: Intervals whose Redis share the table shows: a fifth of the default, and the default.
-INTERVALS_S = (0.02, 0.1)
+#: The interval the table compares with the default settings': the default before 2026-12-07.
+OLD_INTERVAL_S = 0.1
 
 
 def fleet_size(text: str) -> tuple[int, int]:
@@ -41,8 +42,9 @@ def fleet_size(text: str) -> tuple[int, int]:
     return int(replicas), int(backends)
 
 
-async def redis_usec_per_call(replicas: int, backends: int, calls: int) -> float:
-    """Redis's CPU time, in µs, per shared-load call of ``replicas`` replicas over ``backends``."""
+async def redis_usec_per_call(replicas: int, backends: int, calls: int) -> tuple[float, float]:
+    """Redis's CPU time, in µs, per shared-load call of ``replicas`` replicas over ``backends``,
+    and the seconds between a replica's calls with the default settings."""
     with redis_server() as server:
         config = RedisConfig(url=server.url)
         names = [BackendConfig(name=f"e{i}", url="http://127.0.0.1:1") for i in range(backends)]
@@ -66,7 +68,7 @@ async def redis_usec_per_call(replicas: int, backends: int, calls: int) -> float
                     backend.pending_prefill_requests = rng.randrange(4)
                 await view.sync_once()
             stats = [v for k, v in client.info("commandstats").items() if "eval" in k]
-            return sum(s["usec"] for s in stats) / sum(s["calls"] for s in stats)
+            return sum(s["usec"] for s in stats) / sum(s["calls"] for s in stats), views[0].interval()
         finally:
             for link in links:
                 await link.close()
@@ -76,11 +78,12 @@ async def main_async(args: argparse.Namespace) -> int:
     rows = []
     first = None
     for replicas, backends in args.fleets:
-        usec = await redis_usec_per_call(replicas, backends, args.calls)
+        usec, interval = await redis_usec_per_call(replicas, backends, args.calls)
         first = first or usec
-        shares = [f"{usec * replicas / (interval * 1e6):.2%}" for interval in INTERVALS_S]
-        rows.append([f"{replicas} x {backends}", f"{usec:,.0f} µs", f"{usec / first:.1f}", *shares])
-    headers = ["replicas x backends", "Redis per call", "vs first", "Redis core at 20 ms", "at 100 ms"]
+        shares = [f"{usec * replicas / (seconds * 1e6):.2%}" for seconds in (interval, OLD_INTERVAL_S)]
+        fleet, cost = f"{replicas} x {backends}", f"{usec:,.0f} µs"
+        rows.append([fleet, cost, f"{usec / first:.1f}", f"{interval * 1000:.0f} ms", *shares])
+    headers = ["replicas x backends", "Redis per call", "vs first", "interval", "Redis core", "at 100 ms"]
     print(format_table(headers, rows))
     return 0
 

@@ -7,6 +7,7 @@ import random
 from typing import Any
 
 import aiohttp
+import pytest
 from prometheus_client import CollectorRegistry
 
 from loadtest.sim.fleet import SimFleet
@@ -138,6 +139,28 @@ async def test_a_replica_that_dies_stops_counting():
         assert server.client().hget("{kvroute}:loadsums", "n/e0") in (None, b"0")
         for link in links:
             await link.close()
+
+
+async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl():
+    """Past ``load_interval_fleet`` replicas x backends each replica stretches its interval in
+    proportion, so the fleet's calls cost Redis about the same whatever its size; never so far
+    that the others would count it dead (a third of ``load_ttl_s`` at most)."""
+    with redis_server() as server:
+        backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
+        for ttl, stretched in ((0.3, 0.03), (0.06, 0.02)):
+            config = RedisConfig(url=server.url, load_interval_s=0.01, load_interval_fleet=2, load_ttl_s=ttl)
+            links = [open_link(config, CollectorRegistry()) for _ in range(3)]
+            views = [SharedLoad(link, BackendPool(backends)) for link in links]
+            await views[0].sync_once()
+            assert (views[0].replicas, views[0].interval()) == (1, 0.01)  # 1 x 2 backends: not past 2
+            for view in views:
+                await view.sync_once()
+            assert views[2].replicas == 3
+            assert views[2].interval() == pytest.approx(stretched)  # 3 x 2 / 2 = 3x, or ttl / 3
+            for view in views:
+                await view.close()
+            for link in links:
+                await link.close()
 
 
 async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view():

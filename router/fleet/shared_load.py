@@ -10,6 +10,15 @@ count, current to the request, plus the others', at most one interval old. Redis
 sums as they go (router/index/redis_scripts.py, ``_LOAD_VIEW``), so a call costs it in
 proportion to the backends, however many replicas there are.
 
+The interval is short (10 ms) because a request's prefill lasts tens of milliseconds: a view
+100 ms old shows the others' requests mostly after their prefill is over, and four replicas
+queued their prefills behind each other's (TTFT at the engines 1.12-1.17x one router's,
+against 1.05-1.08x at 10 ms: docs/benchmarks/2026-12-07-shared-load.md). The fleet's calls
+then cost Redis in proportion to replicas x backends / interval, so on a larger fleet each
+replica stretches its interval by replicas x backends / ``load_interval_fleet`` (the live
+replicas are counted by each call), which holds Redis's share of work for the view about
+constant (``python -m loadtest.bench_shared_load``).
+
 Liveness: a replica's counts live under its id with its last publish time; one that has
 not published for ``load_ttl_s`` (it died) stops counting then, and its counts are withdrawn
 by the next publisher. A replica that stops cleanly withdraws its counts at once. While
@@ -45,6 +54,8 @@ class SharedLoad:
         self._keys = [self.keys.replicas, self.keys.load_parts, self.keys.load_sums]
         self.id = replica_id()
         self._last_sync = 0.0
+        #: Live replicas, this one included, as of the last call.
+        self.replicas = 1
         self._task: asyncio.Task[None] | None = None
         pool.subscribe(lambda backend: None, self._on_removed)
 
@@ -67,10 +78,11 @@ class SharedLoad:
             self.config.background_timeout_ms / 1000,
         )
         self._last_sync = time.monotonic()
+        self.replicas, sums = int(reply[0]), reply[1:]
         others = {
             (name.decode() if isinstance(name, bytes) else name): (int(count), int(tokens), int(requests))
             for name, count, tokens, requests in zip(
-                reply[::4], reply[1::4], reply[2::4], reply[3::4], strict=True
+                sums[::4], sums[1::4], sums[2::4], sums[3::4], strict=True
             )
         }
         self._set_others(others)
@@ -88,7 +100,15 @@ class SharedLoad:
                     await self.sync_once()
             if time.monotonic() - self._last_sync > self.config.load_ttl_s:
                 self._set_others({})
-            await asyncio.sleep(self.config.load_interval_s)
+            await asyncio.sleep(self.interval())
+
+    def interval(self) -> float:
+        """Seconds between calls: ``load_interval_s``, stretched on a fleet of more than
+        ``load_interval_fleet`` replicas x backends so the fleet's calls cost Redis no more,
+        but never near ``load_ttl_s``, after which the others would count this replica dead."""
+        fleet = self.replicas * len(self.pool)
+        stretched = self.config.load_interval_s * max(1.0, fleet / self.config.load_interval_fleet)
+        return min(stretched, max(self.config.load_interval_s, self.config.load_ttl_s / 3))
 
     async def close(self) -> None:
         """Stop publishing and withdraw this replica's counts (best effort, bounded)."""

@@ -233,8 +233,8 @@ end
 
 #: ARGV: replica id, ttl_ms, then (backend, in-flight, pending prefill tokens, pending prefill
 #: requests) of this replica. Publishes them (a backend it no longer lists is withdrawn) and
-#: returns the other live replicas' sums for its backends: {backend1, in-flight1, tokens1,
-#: requests1, ...}.
+#: returns the number of live replicas, then the other live replicas' sums for its backends:
+#: {replicas, backend1, in-flight1, tokens1, requests1, ...}.
 LOAD = (
     _LOAD_VIEW
     + """
@@ -270,7 +270,8 @@ end
 local built = tonumber(redis.call('HGET', KEYS[3], '@built') or '0')
 if rebuild or now - built > REBUILD_MS then rebuild_sums(now) end
 for k = 1, 3 do redis.call('PEXPIRE', KEYS[k], ttl) end
-if #listed == 0 then return {} end
+local out = {redis.call('ZCARD', KEYS[1])}
+if #listed == 0 then return out end
 local fields = {}
 for _, backend in ipairs(listed) do
   fields[#fields + 1] = 'n/' .. backend
@@ -278,7 +279,6 @@ for _, backend in ipairs(listed) do
   fields[#fields + 1] = 'r/' .. backend
 end
 local sums = redis.call('HMGET', KEYS[3], unpack(fields))
-local out = {}
 for k, backend in ipairs(listed) do
   out[#out + 1] = backend
   for slot = 1, 3 do

@@ -85,11 +85,17 @@ class RedisConfig:
     write_batch_blocks: PositiveInt = 1000
     #: Publish this router's in-flight counts and read everyone's (the shared load view).
     share_load: bool = True
-    #: How often the shared load view is published and read. Shorter shows the others' load
-    #: sooner (no clear TTFT gain at 20 ms: docs/benchmarks/2026-12-06-redis-replicas.md), but
-    #: every replica makes a call each interval, costing Redis time in proportion to the
-    #: backends (``python -m loadtest.bench_shared_load``).
-    load_interval_s: PositiveFloat = 0.1
+    #: How often the shared load view is published and read: how old the others' load is. A
+    #: prefill lasts tens of milliseconds, and at 100 ms four replicas queued theirs behind each
+    #: other's (docs/benchmarks/2026-12-07-shared-load.md). Every replica makes a call each
+    #: interval, costing Redis time in proportion to the backends (``python -m
+    #: loadtest.bench_shared_load``); see ``load_interval_fleet``.
+    load_interval_s: PositiveFloat = 0.01
+    #: Replicas x backends up to which ``load_interval_s`` holds; on a larger fleet each replica
+    #: stretches its interval in proportion (x2 at twice this, at most a third of
+    #: ``load_ttl_s``), so the fleet's calls take about the same share of Redis's core whatever
+    #: its size (4-13 % on a 2-core VM, docs/redis.md).
+    load_interval_fleet: PositiveInt = 32
     #: A router that stopped publishing stops counting after this long (it died).
     load_ttl_s: PositiveFloat = 3.0
 
