@@ -13,7 +13,7 @@ proportion to the backends, however many replicas there are.
 The interval is short (10 ms) because a request's prefill lasts tens of milliseconds: a view
 100 ms old shows the others' requests mostly after their prefill is over, and four replicas
 queued their prefills behind each other's (TTFT at the engines 1.12-1.17x one router's,
-against 1.05-1.08x at 10 ms: docs/benchmarks/2026-12-07-shared-load.md). The fleet's calls
+against 1.04-1.08x at 10 ms: docs/benchmarks/2026-12-07-shared-load.md). The fleet's calls
 then cost Redis in proportion to replicas x backends / interval, so on a larger fleet each
 replica stretches its interval by replicas x backends / ``load_interval_fleet`` (the live
 replicas are counted by each call), which holds Redis's share of work for the view about
