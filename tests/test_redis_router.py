@@ -151,16 +151,18 @@ async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl
             config = RedisConfig(url=server.url, load_interval_s=0.01, load_interval_fleet=2, load_ttl_s=ttl)
             links = [open_link(config, CollectorRegistry()) for _ in range(3)]
             views = [SharedLoad(link, BackendPool(backends)) for link in links]
-            await views[0].sync_once()
-            assert (views[0].replicas, views[0].interval()) == (1, 0.01)  # 1 x 2 backends: not past 2
-            for view in views:
-                await view.sync_once()
-            assert views[2].replicas == 3
-            assert views[2].interval() == pytest.approx(stretched)  # 3 x 2 / 2 = 3x, or ttl / 3
-            for view in views:
-                await view.close()
-            for link in links:
-                await link.close()
+            try:
+                await views[0].sync_once()
+                assert (views[0].replicas, views[0].interval()) == (1, 0.01)  # 1 x 2 backends: not past 2
+                for view in views:
+                    await view.sync_once()
+                assert views[2].replicas == 3
+                assert views[2].interval() == pytest.approx(stretched)  # 3 x 2 / 2 = 3x, or ttl / 3
+            finally:
+                for view in views:
+                    await view.close()
+                for link in links:
+                    await link.close()
 
 
 async def test_a_backend_leaving_one_replica_is_withdrawn_from_the_shared_view():

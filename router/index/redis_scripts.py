@@ -12,11 +12,11 @@ Key layout under a namespace ``ns`` (every key carries the hash tag ``{ns}``, se
 ``{ns}:epochs``             ZSET  clock value -> server time (ms), per write batch, for the
                             ``ttl`` eviction policy: which touches are older than its ttl.
 ``{ns}:replicas``           ZSET  router replica id -> last publish time (ms, server clock).
-``{ns}:load``               HASH  "<replica id>/<backend>" -> that replica's in-flight count.
-``{ns}:prefill``            HASH  "<replica id>/<backend>" -> "<tokens> <requests>": that
-                            replica's pending prefill there (requests without a first byte).
-                            A separate key, so that a replica of an older version, which
-                            reads only ``load``, keeps working beside this one in a rollout.
+``{ns}:loadparts``          HASH  router replica id -> JSON {backend: [in-flight, pending
+                            prefill tokens, pending prefill requests]}: what that replica has
+                            added to the sums.
+``{ns}:loadsums``           HASH  "n/", "t/", "r/" + backend -> every live replica's counts
+                            there, summed; "@built" -> when they were last rebuilt from the parts.
 
 Why no per-block key ("which backends hold block b"): a lookup asks each candidate's ZSET
 for the chain's blocks in order and stops, per backend, at its first miss; its cost is
