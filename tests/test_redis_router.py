@@ -141,6 +141,52 @@ async def test_a_replica_that_dies_stops_counting():
             await link.close()
 
 
+def script_calls(server: RedisServer) -> int:
+    """Script calls the server has run (each shared-load call is one)."""
+    stats = server.client().info("commandstats")
+    return sum(v["calls"] for k, v in stats.items() if k in ("cmdstat_eval", "cmdstat_evalsha"))
+
+
+async def test_an_idle_fleet_is_quiet_and_a_busy_replica_shares_its_load_at_once():
+    """Nothing in flight anywhere: no call until ``load_idle_interval_s``. A request in flight:
+    a call every ``load_interval_s``, by the replica that sent it and by one that then has one."""
+    with redis_server() as server:
+        config = RedisConfig(url=server.url, load_interval_s=0.01, load_idle_interval_s=30, load_ttl_s=60)
+        backends = [BackendConfig(name=n, url="http://127.0.0.1:1") for n in ("e0", "e1")]
+        links = [open_link(config, CollectorRegistry()) for _ in "ab"]
+        pool_one, pool_two = BackendPool(backends), BackendPool(backends)
+        one, two = SharedLoad(links[0], pool_one), SharedLoad(links[1], pool_two)
+        try:
+            one.start()
+            two.start()
+
+            async def both_published() -> bool:
+                return server.client().hlen("{kvroute}:loadparts") == 2
+
+            await wait_for(both_published, what="both replicas' first call")
+            quiet_from = script_calls(server)
+            await asyncio.sleep(0.3)  # thirty intervals, nothing in flight
+            assert script_calls(server) == quiet_from
+            pool_one["e0"].in_flight = 2  # replica one sends two requests to e0
+
+            async def published() -> bool:
+                return server.client().hget("{kvroute}:loadsums", "n/e0") == b"2"
+
+            await wait_for(published, what="replica one's requests published", timeout=3)
+            assert pool_two["e0"].remote_in_flight == 0  # two is idle: it has not called since
+            pool_two["e1"].in_flight = 1  # replica two sends one, and reads the others' at once
+
+            async def seen() -> bool:
+                return pool_two["e0"].remote_in_flight == 2 and pool_one["e1"].remote_in_flight == 1
+
+            await wait_for(seen, what="each replica's requests seen by the other", timeout=3)
+        finally:
+            await one.close()
+            await two.close()
+            for link in links:
+                await link.close()
+
+
 async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl():
     """Past ``load_interval_fleet`` replicas x backends each replica stretches its interval in
     proportion, so the fleet's calls cost Redis about the same whatever its size; never so far

@@ -10,6 +10,13 @@ count, current to the request, plus the others', at most one interval old. Redis
 sums as they go (router/index/redis_scripts.py, ``_LOAD_VIEW``), so a call costs it in
 proportion to the backends, however many replicas there are.
 
+While nothing is in flight anywhere (its own requests, and the others' as of its last call)
+a replica calls only every ``load_idle_interval_s``: an idle fleet has nothing that ages, and
+a 10 ms loop of calls took an idle router about 5 % of a core (3 % with this, against 1.7 %
+at the old fixed 100 ms, by its CPU time over 20 s). It still looks at its own
+counts every interval, so its first request after an idle spell is published within one; that
+request is routed on a view up to the idle interval old.
+
 The interval is short (10 ms) because a request's prefill lasts tens of milliseconds: a view
 100 ms old shows the others' requests mostly after their prefill is over, and four replicas
 queued their prefills behind each other's (TTFT at the engines 1.12-1.17x one router's,
@@ -93,9 +100,15 @@ class SharedLoad:
             backend.set_remote_load(count, tokens, requests)
             self.link.metrics.others_in_flight.labels(backend.name).set(count)
 
+    def idle(self) -> bool:
+        """Nothing in flight anywhere, as far as this replica knows (its own requests, and the
+        others' as of its last call): nothing in the view is ageing, so it need not be fresh."""
+        return not any(backend.in_flight or backend.remote_in_flight for backend in self.pool)
+
     async def _run(self) -> None:
         while True:
-            if self.link.up:
+            due = time.monotonic() - self._last_sync >= self.config.load_idle_interval_s
+            if self.link.up and (due or not self.idle()):
                 with contextlib.suppress(RedisUnavailable):
                     await self.sync_once()
             if time.monotonic() - self._last_sync > self.config.load_ttl_s:

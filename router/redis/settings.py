@@ -96,6 +96,10 @@ class RedisConfig:
     #: ``load_ttl_s``), so the fleet's calls take about the same share of Redis's core whatever
     #: its size (4-13 % on a 2-core VM, docs/redis.md).
     load_interval_fleet: PositiveInt = 32
+    #: How often the view is shared while nothing is in flight anywhere (this router's requests,
+    #: and the others' as of its last call): an idle fleet has nothing that ages, and a 10 ms
+    #: loop of calls costs an idle router about 5 % of a core (docs/redis.md).
+    load_idle_interval_s: PositiveFloat = 0.1
     #: A router that stopped publishing stops counting after this long (it died).
     load_ttl_s: PositiveFloat = 3.0
 
@@ -111,6 +115,6 @@ class RedisConfig:
             problems.append("password: give at most one of password, password_env, password_file")
         if self.sentinels and self.cluster:
             problems.append("cluster: Sentinel and Cluster are exclusive; configure one")
-        if self.load_ttl_s <= self.load_interval_s:
-            problems.append("load_ttl_s: expected more than load_interval_s")
+        if self.load_ttl_s <= max(self.load_interval_s, self.load_idle_interval_s):
+            problems.append("load_ttl_s: expected more than load_interval_s and load_idle_interval_s")
         return problems
