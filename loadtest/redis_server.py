@@ -73,6 +73,12 @@ class RedisServer:
     def client(self) -> redis.Redis:
         return redis.Redis(port=self.port, password=self.password, socket_timeout=5)
 
+    def command_calls(self) -> dict[str, int]:
+        """Calls the server has run, by command (``evalsha``, ``zscore``, ...): how many round
+        trips and scripts a piece of code costs, counted by Redis itself."""
+        stats = self.client().info("commandstats")
+        return {name.removeprefix("cmdstat_"): entry["calls"] for name, entry in stats.items()}
+
     def start(self) -> RedisServer:
         args = [require(REDIS_SERVER), "--port", str(self.port), "--bind", "127.0.0.1", "--save", ""]
         args += ["--appendonly", "no", "--dir", str(self.dir), *self.extra]
