@@ -146,6 +146,10 @@ def _simulate(args: argparse.Namespace) -> int:
             belief_capacity_tokens=args.belief_capacity,
             eviction=args.eviction,
             speedup=args.speedup,
+            replicas=args.replicas,
+            load_interval_s=args.load_interval_s,
+            belief_delay_s=args.belief_delay_s,
+            timing=EngineTiming(prefill_per_token_s=args.prefill_per_token_s),
         )
     except ValueError as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
@@ -162,6 +166,7 @@ def _simulate(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_output_tokens=args.max_output_tokens,
         slowest=args.slowest,
+        spread_s=args.spread_s,
     )
 
 
@@ -307,7 +312,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     simulate.add_argument("--eviction", default="lru", help="eviction of the router's beliefs: lru|lfu|ttl")
     simulate.add_argument("--block-tokens", type=int, default=64, help="router block in tokens")
+    simulate.add_argument(
+        "--prefill-per-token-s",
+        type=float,
+        default=EngineTiming.prefill_per_token_s,
+        help="the engines' prefill time per uncached token (bench_redis's engines take 4e-6)",
+    )
     simulate.add_argument("--speedup", type=float, default=1.0, help="divide arrival times by this")
+    simulate.add_argument(
+        "--spread-s",
+        type=float,
+        default=0.0,
+        help="move each arrival later by a random offset below this many trace seconds (seeded by "
+        "--seed), as bench_redis --spread-s does",
+    )
+    simulate.add_argument(
+        "--replicas",
+        type=int,
+        default=1,
+        help="router replicas sharing beliefs and load as through Redis, requests sent round robin",
+    )
+    simulate.add_argument(
+        "--load-interval-s",
+        type=float,
+        default=0.01,
+        help="with --replicas: index.redis.load_interval_s, how often each shares its load view",
+    )
+    simulate.add_argument(
+        "--belief-delay-s",
+        type=float,
+        default=0.005,
+        help="with --replicas: from a replica's pick until the others' lookups see it",
+    )
     simulate.add_argument(
         "--minutes", type=float, help="replay only the trace's first minutes (default: all)"
     )

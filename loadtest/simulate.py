@@ -41,7 +41,7 @@ import math
 import sys
 import time
 from collections import Counter, deque
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -51,13 +51,14 @@ from loadtest import workloads
 from loadtest.report import format_table, percentile
 from loadtest.sim.cache import PrefixCache
 from loadtest.sim.timing import EngineTiming
-from loadtest.trace import TraceError, TraceRequest, read_trace
+from loadtest.trace import TraceError, TraceRequest, read_trace, spread_arrivals
 from policies.eviction import block_set_factory
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
 from policies.types import BackendView, RequestView, Warmup
 from policies.types import Outcome as AttemptOutcome
 from router.index import MemoryIndex
+from router.redis.settings import RedisConfig
 from router.request_path.beliefs import ClosedLoop, Prediction
 
 
@@ -82,6 +83,20 @@ class FleetModel:
     #: Correct beliefs from the engines' cached-token reports (``index.closed_loop``).
     closed_loop: bool = False
     closed_loop_tolerance: float = 0.5
+    #: Router replicas sharing their beliefs and load (``index.redis``), requests sent to them
+    #: round robin as a Kubernetes Service spreads them. Each has its own policy, its own copy
+    #: of the index and its own load counts, exact and instant; it sees the others' load as
+    #: of its last call of the shared load view, and their beliefs ``belief_delay_s`` after
+    #: their pick.
+    replicas: int = 1
+    #: ``index.redis.load_interval_s`` and ``load_idle_interval_s`` (``load_interval_fleet``
+    #: and ``load_ttl_s`` keep their defaults).
+    load_interval_s: float = 0.01
+    load_idle_interval_s: float = 0.1
+    #: From a replica's pick until the other replicas' lookups see it: a shared index's write
+    #: (``lookup: shared``, about a millisecond) or the belief stream (``lookup: local``, up to
+    #: two ``sync_interval_ms`` of 5 ms).
+    belief_delay_s: float = 0.005
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.capacity_tokens < self.block_tokens:
@@ -91,6 +106,21 @@ class FleetModel:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
         block_set_factory(self.eviction, ttl_s=self.ttl_s)  # refuses an unknown eviction policy
+        if self.replicas < 1 or self.belief_delay_s < 0:
+            raise ValueError("replicas must be at least 1 and belief_delay_s at least 0")
+        if self.load_interval_s <= 0 or self.load_idle_interval_s <= 0:
+            raise ValueError("load_interval_s and load_idle_interval_s must be positive")
+        if self.replicas > 1 and self.closed_loop:
+            raise ValueError("the closed loop is modelled for one router, not for replicas")
+        problems = self.load_view().validate()
+        if problems:
+            raise ValueError("; ".join(problems))
+
+    def load_view(self) -> RedisConfig:
+        """The replicas' shared load view settings, as the router reads them."""
+        return RedisConfig(
+            load_interval_s=self.load_interval_s, load_idle_interval_s=self.load_idle_interval_s
+        )
 
 
 @dataclass(slots=True)
@@ -103,6 +133,8 @@ class _Job:
     output_tokens: int
     chain: list[int]
     backend: str
+    #: The router replica that routed it, whose counts and policy hear of it.
+    replica: _Replica
     #: The request as the policy saw it, for its outcome (``RoutingPolicy.on_outcome``).
     view: RequestView
     kv_blocks: int
@@ -233,34 +265,90 @@ class _Engine:
         self._admit(now)
 
 
-class Simulation:
-    """One replay of a trace through one policy on a fresh model fleet."""
+class _Replica:
+    """One router replica: its policy, its copy of the index, its own load counts (exact and
+    instant), and the others' as of its last call of the shared load view."""
 
-    def __init__(self, model: FleetModel, policy: RoutingPolicy) -> None:
-        self.model = model
+    def __init__(
+        self,
+        number: int,
+        policy: RoutingPolicy,
+        model: FleetModel,
+        names: list[str],
+        clock: Callable[[], float],
+    ) -> None:
+        self.number = number
         self.policy = policy
-        self.now = 0.0
-        self._events: list[tuple[float, int, Callable[[float], None]]] = []
-        self._seq = itertools.count()
-        self.names = [f"sim{i}" for i in range(model.engines)]
-        self.engines = {name: _Engine(name, model, self) for name in self.names}
         belief = model.belief_capacity_tokens or model.capacity_tokens
         self.index = MemoryIndex(
             belief * model.engines // model.block_tokens,
-            block_set_factory(model.eviction, ttl_s=model.ttl_s, clock=lambda: self.now),
+            block_set_factory(model.eviction, ttl_s=model.ttl_s, clock=clock),
         )
-        for name in self.names:
+        for name in names:
             self.index.add_backend(name, belief // model.block_tokens)
         self.closed_loop = (
             ClosedLoop(self.index, model.block_tokens, model.closed_loop_tolerance)
             if model.closed_loop
             else None
         )
-        self.in_flight = dict.fromkeys(self.names, 0)
-        self.pending_prefill = dict.fromkeys(self.names, 0)
-        self.prefilling = dict.fromkeys(self.names, 0)
+        self.in_flight = dict.fromkeys(names, 0)
+        self.pending_prefill = dict.fromkeys(names, 0)
+        self.prefilling = dict.fromkeys(names, 0)
+        #: What this replica last published, and the others' sums it read back, per backend:
+        #: (in flight, pending prefill tokens, pending prefill requests).
+        self.published: dict[str, tuple[int, int, int]] = {}
+        self.others: dict[str, tuple[int, int, int]] = {}
+        self.last_call = -math.inf
+
+    def own_load(self, name: str) -> tuple[int, int, int]:
+        return self.in_flight[name], self.pending_prefill[name], self.prefilling[name]
+
+    def backend(self, name: str, matched_blocks: int) -> BackendView:
+        """A backend as this replica's policy sees it: its own counts plus the others' (as
+        ``Backend.own_load`` + ``Backend.set_remote_load`` add them live)."""
+        count, tokens, requests = self.others.get(name, (0, 0, 0))
+        return BackendView(
+            name=name,
+            matched_blocks=matched_blocks,
+            in_flight=self.in_flight[name] + count,
+            cached_blocks=self.index.blocks_of(name),
+            pending_prefill_tokens=self.pending_prefill[name] + tokens,
+            pending_prefill_requests=self.prefilling[name] + requests,
+        )
+
+    def idle(self) -> bool:
+        """As ``SharedLoad.idle``: nothing in flight, of its own or the others' as last read."""
+        return not any(self.in_flight.values()) and not any(count for count, _, _ in self.others.values())
+
+
+def _summed(loads: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
+    count = tokens = requests = 0
+    for c, t, r in loads:
+        count, tokens, requests = count + c, tokens + t, requests + r
+    return count, tokens, requests
+
+
+class Simulation:
+    """One replay of a trace through a policy (one per router replica) on a fresh model fleet."""
+
+    def __init__(self, model: FleetModel, policies: Sequence[RoutingPolicy]) -> None:
+        if len(policies) != model.replicas:
+            raise ValueError(f"one policy per replica: {model.replicas} replicas, {len(policies)} policies")
+        self.model = model
+        self.now = 0.0
+        self._events: list[tuple[float, int, Callable[[float], None]]] = []
+        self._seq = itertools.count()
+        self.names = [f"sim{i}" for i in range(model.engines)]
+        self.engines = {name: _Engine(name, model, self) for name in self.names}
+        self.replicas = [
+            _Replica(number, policy, model, self.names, lambda: self.now)
+            for number, policy in enumerate(policies)
+        ]
+        self._load_view = model.load_view()
         self._reasons: dict[int, str] = {}
         self.outcomes: dict[int, Outcome] = {}
+        #: Requests without an outcome yet: the replicas share their load while there are any.
+        self._open = 0
         #: Warm-ups sent (``Decision.warmup``); each is a job of negative index.
         self.warmups = 0
 
@@ -268,20 +356,45 @@ class Simulation:
         heapq.heappush(self._events, (at, next(self._seq), action))
 
     def run(self, requests: Sequence[TraceRequest]) -> list[Outcome]:
+        self._open = len(requests)
         for i, request in enumerate(requests):
             self.schedule(
                 request.arrival_s / self.model.speedup, lambda now, i=i: self._arrive(requests[i], i)
             )
+        if len(self.replicas) > 1:
+            # Live replicas start at unrelated instants: spread their calls over one interval.
+            interval = self._load_view.load_interval_s
+            for replica in self.replicas:
+                self.schedule(
+                    replica.number * interval / len(self.replicas),
+                    lambda now, replica=replica: self._share_load(replica, now),
+                )
         while self._events:
             self.now, _, action = heapq.heappop(self._events)
             action(self.now)
         return [self.outcomes[i] for i in range(len(requests))]
 
+    def _share_load(self, replica: _Replica, now: float) -> None:
+        """One replica's turn of the shared load view (``SharedLoad._run``): publish its own
+        counts and read the others' last published ones, then come back one interval later."""
+        if not self._open:
+            return
+        view = self._load_view
+        if now - replica.last_call >= view.load_idle_interval_s or not replica.idle():
+            replica.published = {name: replica.own_load(name) for name in self.names}
+            others = [other.published for other in self.replicas if other is not replica]
+            replica.others = {name: _summed(p.get(name, (0, 0, 0)) for p in others) for name in self.names}
+            replica.last_call = now
+        interval = view.load_interval(len(self.replicas), len(self.names))
+        self.schedule(now + interval, lambda t: self._share_load(replica, t))
+
     def _arrive(self, request: TraceRequest, i: int) -> None:
         model = self.model
+        replica = self.replicas[i % len(self.replicas)]
+        policy = replica.policy
         chain = request.chain(model.block_tokens)
-        uses_index = self.policy.uses_prefix_match
-        matches = self.index.match_now(chain) if uses_index else {}
+        uses_index = policy.uses_prefix_match
+        matches = replica.index.match_now(chain) if uses_index else {}
         view = RequestView(
             model="trace",
             tenant="default",
@@ -293,18 +406,8 @@ class Simulation:
             stream=True,
             chain=chain,
         )
-        backends = [
-            BackendView(
-                name=name,
-                matched_blocks=matches.get(name, 0),
-                in_flight=self.in_flight[name],
-                cached_blocks=self.index.blocks_of(name),
-                pending_prefill_tokens=self.pending_prefill[name],
-                pending_prefill_requests=self.prefilling[name],
-            )
-            for name in self.names
-        ]
-        decision = self.policy.choose(view, backends)
+        backends = [replica.backend(name, matches.get(name, 0)) for name in self.names]
+        decision = policy.choose(view, backends)
         kv_blocks = -(-(request.input_tokens + request.output_tokens) // model.timing.block_tokens)
         job = _Job(
             index=i,
@@ -313,6 +416,7 @@ class Simulation:
             output_tokens=request.output_tokens,
             chain=chain,
             backend=decision.backend,
+            replica=replica,
             view=view,
             kv_blocks=kv_blocks,
             predicted_blocks=decision.matched_blocks,
@@ -322,35 +426,46 @@ class Simulation:
         self._reasons[i] = decision.reason
         if kv_blocks > engine.kv_capacity:
             # The live engine answers 400 (over max_model_len): nothing is recorded or queued.
-            self.outcomes[i] = Outcome(
-                decision.backend, decision.reason, request.input_tokens, 0, 0, None, None, None
+            self._resolve(
+                i, Outcome(decision.backend, decision.reason, request.input_tokens, 0, 0, None, None, None)
             )
             self._tell(job, status=400, ttft_s=None, cached_tokens=None)
             return
         if uses_index and chain:
-            if self.closed_loop is not None:
-                job.prediction = self.closed_loop.predict(
+            if replica.closed_loop is not None:
+                job.prediction = replica.closed_loop.predict(
                     decision.backend, chain, decision.matched_blocks, request.input_tokens
                 )
-            self.index.record(decision.backend, chain)
+            self._believe(replica, decision.backend, chain)
         self._submit(job)
         if decision.warmup is not None and uses_index:
-            self._warm(decision.warmup, chain, view)
+            self._warm(replica, decision.warmup, chain, view)
+
+    def _believe(self, replica: _Replica, backend: str, chain: list[int]) -> None:
+        """Record a pick in the picking replica's index now, in the others' once it reaches them."""
+        replica.index.record(backend, chain)
+        for other in self.replicas:
+            if other is not replica:
+                self.schedule(
+                    self.now + self.model.belief_delay_s,
+                    lambda now, other=other: other.index.record(backend, chain),
+                )
 
     def _submit(self, job: _Job) -> None:
-        self.in_flight[job.backend] += 1
-        self.pending_prefill[job.backend] += job.pending_tokens
-        self.prefilling[job.backend] += 1
+        replica = job.replica
+        replica.in_flight[job.backend] += 1
+        replica.pending_prefill[job.backend] += job.pending_tokens
+        replica.prefilling[job.backend] += 1
         self.engines[job.backend].submit(job, self.now)
 
-    def _warm(self, warmup: Warmup, chain: list[int], view: RequestView) -> None:
+    def _warm(self, replica: _Replica, warmup: Warmup, chain: list[int], view: RequestView) -> None:
         """The router's warm-up: the prompt's first ``warmup.blocks`` blocks, one output token,
         believed at the pick like any request; it has no outcome of its own."""
         self.warmups += 1
         block_tokens = self.model.block_tokens
         prefix = chain[: warmup.blocks]
         prompt_tokens = len(prefix) * block_tokens + 1
-        matched = self.index.match_now(prefix).get(warmup.backend, 0)
+        matched = replica.index.match_now(prefix).get(warmup.backend, 0)
         job = _Job(
             index=-self.warmups,
             arrival=self.now,
@@ -358,45 +473,55 @@ class Simulation:
             output_tokens=1,
             chain=prefix,
             backend=warmup.backend,
+            replica=replica,
             view=view,
             kv_blocks=-(-(prompt_tokens + 1) // self.model.timing.block_tokens),
             predicted_blocks=matched,
             pending_tokens=prompt_tokens - matched * block_tokens,
         )
-        self.index.record(warmup.backend, prefix)
+        self._believe(replica, warmup.backend, prefix)
         self._submit(job)
 
     def first_token(self, job: _Job) -> None:
         """The router sees the first byte: that request's prefill no longer queues anyone."""
-        self.pending_prefill[job.backend] -= job.pending_tokens
-        self.prefilling[job.backend] -= 1
+        job.replica.pending_prefill[job.backend] -= job.pending_tokens
+        job.replica.prefilling[job.backend] -= 1
 
     def finished(self, job: _Job, now: float) -> None:
-        self.in_flight[job.backend] -= 1
+        job.replica.in_flight[job.backend] -= 1
         if job.index < 0:
             return  # a warm-up: no client waits for it
         reported = None
-        if self.closed_loop is not None and job.prediction is not None:
+        closed_loop = job.replica.closed_loop
+        if closed_loop is not None and job.prediction is not None:
             # A stream's usage chunk comes at its end, so that is when the live router learns.
-            self.closed_loop.report(job.prediction, job.cached_tokens)
+            closed_loop.report(job.prediction, job.cached_tokens)
             reported = job.cached_tokens
         self._tell(job, status=200, ttft_s=job.first_token - job.arrival, cached_tokens=reported)
-        self.outcomes[job.index] = Outcome(
-            backend=job.backend,
-            reason=self._reasons.pop(job.index),
-            prompt_tokens=job.prompt_tokens,
-            cached_tokens=job.cached_tokens,
-            predicted_tokens=min(job.predicted_blocks * self.model.block_tokens, job.prompt_tokens),
-            queue_s=job.prefill_start - job.arrival,
-            ttft_s=job.first_token - job.arrival,
-            e2e_s=now - job.arrival,
+        self._resolve(
+            job.index,
+            Outcome(
+                backend=job.backend,
+                reason=self._reasons.pop(job.index),
+                prompt_tokens=job.prompt_tokens,
+                cached_tokens=job.cached_tokens,
+                predicted_tokens=min(job.predicted_blocks * self.model.block_tokens, job.prompt_tokens),
+                queue_s=job.prefill_start - job.arrival,
+                ttft_s=job.first_token - job.arrival,
+                e2e_s=now - job.arrival,
+            ),
         )
+
+    def _resolve(self, index: int, outcome: Outcome) -> None:
+        self.outcomes[index] = outcome
+        self._open -= 1
 
     def _tell(self, job: _Job, *, status: int, ttft_s: float | None, cached_tokens: int | None) -> None:
         """The policy's outcome for ``job``, as the live router would tell it: at the response's
         end, with the engine's cached tokens only where the live router reads them (closed loop)."""
-        if self.policy.learns:
-            self.policy.on_outcome(
+        policy = job.replica.policy
+        if policy.learns:
+            policy.on_outcome(
                 AttemptOutcome(
                     backend=job.backend,
                     request=job.view,
@@ -464,7 +589,8 @@ def simulate(
 ) -> tuple[list[Outcome], Summary]:
     """Replay ``requests`` through ``policy`` (built as the router builds it) on ``model``."""
     started = time.perf_counter()
-    outcomes = Simulation(model, build_policy(policy, params, seed=seed)).run(requests)
+    policies = [build_policy(policy, params, seed=seed + number) for number in range(model.replicas)]
+    outcomes = Simulation(model, policies).run(requests)
     return outcomes, summarize(outcomes, model.engines, time.perf_counter() - started)
 
 
@@ -563,6 +689,10 @@ _FLEET_KEYS = (
     "speedup",
     "closed_loop",
     "closed_loop_tolerance",
+    "replicas",
+    "load_interval_s",
+    "load_idle_interval_s",
+    "belief_delay_s",
 )
 
 
@@ -692,11 +822,19 @@ def parse_params(text: str | None) -> dict[str, Any]:
 
 
 def load_source(
-    source: str, *, minutes: float | None, limit: int | None, seed: int, max_output_tokens: int = 0
+    source: str,
+    *,
+    minutes: float | None,
+    limit: int | None,
+    seed: int,
+    max_output_tokens: int = 0,
+    spread_s: float = 0.0,
 ) -> list[TraceRequest]:
     """A generated workload's requests (``source`` one of :data:`loadtest.workloads.NAMES`), else
     the trace file at ``source``; either cut to its first ``minutes`` and ``limit`` requests,
-    and each output to ``max_output_tokens`` (0: as given), as ``kvroute bench routing`` does."""
+    and each output to ``max_output_tokens`` (0: as given), as ``kvroute bench routing`` does;
+    arrivals spread over ``spread_s`` (:func:`~loadtest.trace.spread_arrivals`) as
+    ``bench_redis --spread-s`` does."""
     if source in workloads.NAMES:
         requests = workloads.generate(source, seed, 10.0 if minutes is None else minutes)
         requests = requests[:limit] if limit is not None else requests
@@ -704,7 +842,7 @@ def load_source(
         requests = read_trace(source, minutes=minutes, limit=limit)
     if max_output_tokens:
         requests = [replace(r, output_tokens=min(r.output_tokens, max_output_tokens)) for r in requests]
-    return requests
+    return spread_arrivals(requests, spread_s, seed=seed) if spread_s else requests
 
 
 def run_command(
@@ -719,16 +857,22 @@ def run_command(
     seed: int = 0,
     max_output_tokens: int = 0,
     slowest: int = 0,
+    spread_s: float = 0.0,
 ) -> int:
     """``kvroute simulate``: read the trace, run every policy (and sweep value), print the table."""
     try:
         runs = sweep_runs(policies, parse_params(params), parse_sweep(sweep), model)
         for policy, _, _, run_params in runs:
             build_policy(policy, run_params, seed=seed)  # refuse bad params before the long part
-        if max_output_tokens < 0 or slowest < 0:
-            raise UsageError("--max-output-tokens and --slowest must be >= 0")
+        if max_output_tokens < 0 or slowest < 0 or spread_s < 0:
+            raise UsageError("--max-output-tokens, --slowest and --spread-s must be >= 0")
         requests = load_source(
-            trace, minutes=minutes, limit=limit, seed=seed, max_output_tokens=max_output_tokens
+            trace,
+            minutes=minutes,
+            limit=limit,
+            seed=seed,
+            max_output_tokens=max_output_tokens,
+            spread_s=spread_s,
         )
     except (UsageError, PolicyLoadError, TraceError, OSError, ValueError, TypeError) as exc:
         print(f"kvroute simulate: {exc}", file=sys.stderr)
@@ -740,7 +884,14 @@ def run_command(
     print(
         f"{len(requests)} requests over {span / 60:.1f} min of virtual time (speedup {model.speedup:g}), "
         f"{model.engines} engines x {model.capacity_tokens:,} KV tokens, router blocks of "
-        f"{model.block_tokens} tokens, {model.eviction} beliefs\n",
+        f"{model.block_tokens} tokens, {model.eviction} beliefs"
+        + (
+            f", {model.replicas} router replicas (load view every {model.load_interval_s * 1000:g} ms, "
+            f"beliefs after {model.belief_delay_s * 1000:g} ms)"
+            if model.replicas > 1
+            else ""
+        )
+        + "\n",
         flush=True,
     )
     report(requests, runs, seed, slowest=slowest)

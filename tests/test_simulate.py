@@ -225,7 +225,7 @@ def test_a_learning_policy_hears_each_request_offline_as_it_would_live(closed_lo
     model = FleetModel(engines=2, capacity_tokens=60_000, closed_loop=closed_loop)
     requests = [*synthetic(60), req(4.0, 100_000, 1, tuple(range(200)))]
     policy = Listening(seed=0)
-    results = Simulation(model, policy).run(requests)
+    results = Simulation(model, [policy]).run(requests)
     assert len(policy.heard) == len(requests)
     served = [r for r in results if r.ttft_s is not None]
     heard_served = [o for o in policy.heard if o.status == 200]
@@ -238,6 +238,68 @@ def test_a_learning_policy_hears_each_request_offline_as_it_would_live(closed_lo
         assert sorted(o.cached_tokens for o in heard_served) == sorted(r.cached_tokens for r in served)
     else:
         assert all(o.cached_tokens is None for o in policy.heard)
+
+
+# --- router replicas ----------------------------------------------------------------------------
+
+
+def bursts(count: int, size: int, spacing_s: float) -> list[TraceRequest]:
+    """``count`` bursts, 0.5 s apart, of ``size`` distinct 4,000-token prompts ``spacing_s``
+    apart: each prompt's prefill (82 ms) outlasts its burst, so a burst spreads over the
+    engines only if each pick sees the ones before it."""
+    return [req(b * 0.5 + k * spacing_s, 4000, 2, (1000 * b + k,)) for b in range(count) for k in range(size)]
+
+
+def test_replicas_with_a_fresh_load_view_spread_a_burst_as_one_router_does() -> None:
+    requests = bursts(10, 4, 0.005)
+    one = FleetModel(engines=4, capacity_tokens=100_000)
+    fresh = replace(one, replicas=4, load_interval_s=0.001, load_idle_interval_s=0.001)
+    stale = replace(one, replicas=4, load_interval_s=1.0, load_idle_interval_s=1.0)
+    _, alone = simulate(requests, one, "least_load")
+    _, shared = simulate(requests, fresh, "least_load")
+    _, blind = simulate(requests, stale, "least_load")
+    assert alone.queue_mean == shared.queue_mean == 0.0
+    # Each replica sees only its own request of a burst: they pick idle-looking engines at
+    # random, and every collision queues a prefill.
+    assert blind.queue_mean > 0.005
+    assert blind.ttft_mean > shared.ttft_mean == alone.ttft_mean
+
+
+def test_a_replica_sees_another_ones_belief_only_after_the_delay() -> None:
+    model = FleetModel(engines=4, capacity_tokens=100_000, replicas=2, belief_delay_s=0.01)
+    # The first request goes to replica 0, the second (the same prompt) to replica 1.
+    before = [req(0.0, 2048, 2, (1, 2, 3, 4)), req(0.005, 2048, 2, (1, 2, 3, 4))]
+    after = [req(0.0, 2048, 2, (1, 2, 3, 4)), req(0.02, 2048, 2, (1, 2, 3, 4))]
+    _, early = simulate(before, model, "prefix_aware")
+    _, late = simulate(after, model, "prefix_aware")
+    assert early.reasons == {"no_match_least_load": 2}
+    assert late.reasons == {"no_match_least_load": 1, "prefix_hit": 1}
+    _, one = simulate(before, replace(model, replicas=1), "prefix_aware")
+    assert one.reasons == late.reasons
+
+
+def test_replicas_stretch_their_load_calls_as_the_router_does() -> None:
+    """Past ``load_interval_fleet`` (32) replicas x backends each replica calls less often (the
+    router's own rule, ``RedisConfig.load_interval``). A view is at most two intervals old
+    (the publisher's and the reader's), so picks 3 ms apart all see each other at 1 ms, and
+    not all at the 4 ms that 16 replicas x 8 backends stretch it to."""
+    requests = bursts(10, 8, 0.003)
+    few = FleetModel(
+        engines=8, capacity_tokens=100_000, replicas=4, load_interval_s=0.001, load_idle_interval_s=0.001
+    )
+    many = replace(few, replicas=16)
+    assert few.load_view().load_interval(4, 8) == 0.001
+    assert many.load_view().load_interval(16, 8) == 0.004
+    _, fresh = simulate(requests, few, "least_load")
+    _, older = simulate(requests, many, "least_load")
+    assert fresh.queue_mean == 0.0 < older.queue_mean
+
+
+def test_the_closed_loop_is_refused_for_replicas() -> None:
+    with pytest.raises(ValueError, match="closed loop is modelled for one router"):
+        FleetModel(replicas=2, closed_loop=True)
+    with pytest.raises(ValueError, match="load_ttl_s"):
+        FleetModel(replicas=2, load_interval_s=5.0)
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -269,6 +331,17 @@ def test_simulate_command_prints_one_row_per_policy_and_sweep_value(trace_file, 
     assert "pooled-LRU hit ratio" in out
 
 
+def test_simulate_command_compares_router_replicas_with_one_router(trace_file, capsys) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--policy", "least_load", "--replicas", "4"]
+    assert main([*args, "--sweep", "replicas=1,4", "--spread-s", "3", "--load-interval-s", "0.02"]) == 0
+    out = capsys.readouterr().out
+    assert "4 router replicas (load view every 20 ms, beliefs after 5 ms)" in out
+    assert [line.split()[1] for line in out.splitlines() if line.startswith("least_load ")] == [
+        "replicas=1",
+        "replicas=4",
+    ]
+
+
 def test_simulate_command_sweeps_a_policy_parameter(trace_file, capsys) -> None:
     args = ["simulate", "--trace", str(trace_file), "--policy", "cost", "--sweep", "load_tokens=0,4096"]
     assert main([*args, "--params", '{"temperature": 0.1}']) == 0
@@ -286,6 +359,9 @@ def test_simulate_command_sweeps_a_policy_parameter(trace_file, capsys) -> None:
         (["--policy", "round_robin", "--sweep", "load_tokens=1,2"], "load_tokens: unknown key"),
         (["--policy", "cost", "--engines", "0"], "at least one engine"),
         (["--policy", "cost", "--eviction", "fifo"], "unknown eviction policy"),
+        (["--policy", "cost", "--replicas", "0"], "replicas must be at least 1"),
+        (["--policy", "cost", "--spread-s", "-1"], "--spread-s must be >= 0"),
+        (["--policy", "cost", "--prefill-per-token-s", "-1"], "prefill_per_token_s must be >= 0"),
     ],
 )
 def test_simulate_command_refuses_bad_arguments(trace_file, capsys, extra, message) -> None:
@@ -322,4 +398,4 @@ def test_max_output_tokens_caps_every_output_as_the_live_benchmark_does() -> Non
 
 def test_simulate_command_refuses_a_negative_cap(trace_file, capsys) -> None:
     assert main(["simulate", "--trace", str(trace_file), "--max-output-tokens", "-1"]) == 2
-    assert "--max-output-tokens and --slowest must be >= 0" in capsys.readouterr().err
+    assert "--max-output-tokens, --slowest and --spread-s must be >= 0" in capsys.readouterr().err

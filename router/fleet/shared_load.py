@@ -116,13 +116,8 @@ class SharedLoad:
             await asyncio.sleep(self.interval())
 
     def interval(self) -> float:
-        """Seconds between calls: ``load_interval_s``, stretched on a fleet of more than
-        ``load_interval_fleet`` replicas x backends so that the fleet's calls take about the
-        same share of Redis's core whatever its size; a stretch goes no further than a third of
-        ``load_ttl_s``, after which the others would count this replica dead."""
-        fleet = self.replicas * len(self.pool)
-        stretched = self.config.load_interval_s * max(1.0, fleet / self.config.load_interval_fleet)
-        return min(stretched, max(self.config.load_interval_s, self.config.load_ttl_s / 3))
+        """Seconds until the next call, for the fleet as of the last one (``RedisConfig.load_interval``)."""
+        return self.config.load_interval(self.replicas, len(self.pool))
 
     async def close(self) -> None:
         """Stop publishing and withdraw this replica's counts (best effort, bounded)."""

@@ -103,6 +103,14 @@ class RedisConfig:
     #: A router that stopped publishing stops counting after this long (it died).
     load_ttl_s: PositiveFloat = 3.0
 
+    def load_interval(self, replicas: int, backends: int) -> float:
+        """Seconds between a replica's load calls: ``load_interval_s``, stretched on a fleet of
+        more than ``load_interval_fleet`` replicas x backends so that the fleet's calls take
+        about the same share of Redis's core whatever its size; a stretch goes no further than
+        a third of ``load_ttl_s``, after which the others would count the replica dead."""
+        stretched = self.load_interval_s * max(1.0, replicas * backends / self.load_interval_fleet)
+        return min(stretched, max(self.load_interval_s, self.load_ttl_s / 3))
+
     def validate(self) -> list[str]:
         problems = []
         try:
