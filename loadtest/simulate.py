@@ -20,7 +20,11 @@ the whole one-hour Mooncake conversation trace replays in seconds.
 
 The router sees what the live one sees of its own: its in-flight count and pending prefill
 per backend and the prefix index's matches (no scraped engine metrics). It records a
-request's chain when it sends it. A policy that learns online hears each request's outcome
+request's chain when it sends it. With ``FleetModel.replicas`` > 1 there are several routers,
+each with its own policy, index and counts, taking requests round robin; each sees the
+others' load as the shared load view shows it live (as of its last call, every
+``load_interval_s`` under the router's own stretch and idle rules) and their beliefs
+``belief_delay_s`` after their picks. A policy that learns online hears each request's outcome
 at its end (``RoutingPolicy.on_outcome``), as it would live.
 
 Where virtual time and the live fleet differ: the live router and the engines share CPUs

@@ -89,7 +89,8 @@ class RedisConfig:
     #: prefill lasts tens of milliseconds, and at 100 ms four replicas queued theirs behind each
     #: other's (docs/benchmarks/2026-12-07-shared-load.md). Every replica makes a call each
     #: interval, costing Redis time in proportion to the backends (``python -m
-    #: loadtest.bench_shared_load``); see ``load_interval_fleet``.
+    #: loadtest.bench_shared_load``); see ``load_interval_fleet``. What an interval costs a
+    #: fleet's placement: ``kvroute simulate --replicas N --sweep load_interval_s=...``.
     load_interval_s: PositiveFloat = 0.01
     #: Replicas x backends up to which ``load_interval_s`` holds; on a larger fleet each replica
     #: stretches its interval in proportion (x2 at twice this, at most a third of
