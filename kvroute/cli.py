@@ -21,6 +21,7 @@ from loadtest.trace import DEFAULT_TRACE
 from router.config import ConfigError, ConfigSource
 from router.fleet.settings import ENGINE_KINDS
 from router.http.settings import DEFAULT_ADMIN_LISTEN, ListenConfig
+from router.redis.settings import RedisConfig
 from router.request_path.settings import RoutingConfig
 from router.tasks import run_event_loop
 
@@ -335,14 +336,16 @@ def build_parser() -> argparse.ArgumentParser:
     simulate.add_argument(
         "--load-interval-s",
         type=float,
-        default=0.01,
+        default=RedisConfig.load_interval_s,
         help="with --replicas: index.redis.load_interval_s, how often each shares its load view",
     )
     simulate.add_argument(
         "--belief-delay-s",
         type=float,
-        default=0.005,
-        help="with --replicas: from a replica's pick until the others' lookups see it",
+        default=RedisConfig.sync_interval_ms / 1000,
+        help="with --replicas: from a replica's pick until the others' lookups see it (0.005 as the "
+        "belief stream of lookup: local; about 0.001 for lookup: shared); the idle interval is "
+        "--sweep load_idle_interval_s=...",
     )
     simulate.add_argument(
         "--minutes", type=float, help="replay only the trace's first minutes (default: all)"

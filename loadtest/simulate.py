@@ -95,12 +95,13 @@ class FleetModel:
     replicas: int = 1
     #: ``index.redis.load_interval_s`` and ``load_idle_interval_s`` (``load_interval_fleet``
     #: and ``load_ttl_s`` keep their defaults).
-    load_interval_s: float = 0.01
-    load_idle_interval_s: float = 0.1
+    load_interval_s: float = RedisConfig.load_interval_s
+    load_idle_interval_s: float = RedisConfig.load_idle_interval_s
     #: From a replica's pick until the other replicas' lookups see it: a shared index's write
     #: (``lookup: shared``, about a millisecond) or the belief stream (``lookup: local``, up to
-    #: two ``sync_interval_ms`` of 5 ms).
-    belief_delay_s: float = 0.005
+    #: two ``sync_interval_ms`` of 5 ms). The default is one ``sync_interval_ms``: the stream's,
+    #: as bench_redis's replicas (e) use it.
+    belief_delay_s: float = RedisConfig.sync_interval_ms / 1000
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.capacity_tokens < self.block_tokens:
@@ -110,7 +111,7 @@ class FleetModel:
         if self.speedup <= 0:
             raise ValueError("speedup must be positive")
         block_set_factory(self.eviction, ttl_s=self.ttl_s)  # refuses an unknown eviction policy
-        if self.replicas < 1 or self.belief_delay_s < 0:
+        if not isinstance(self.replicas, int) or self.replicas < 1 or self.belief_delay_s < 0:
             raise ValueError("replicas must be at least 1 and belief_delay_s at least 0")
         if self.load_interval_s <= 0 or self.load_idle_interval_s <= 0:
             raise ValueError("load_interval_s and load_idle_interval_s must be positive")
@@ -367,7 +368,7 @@ class Simulation:
             )
         if len(self.replicas) > 1:
             # Live replicas start at unrelated instants: spread their calls over one interval.
-            interval = self._load_view.load_interval_s
+            interval = self._load_view.load_interval(len(self.replicas), len(self.names))
             for replica in self.replicas:
                 self.schedule(
                     replica.number * interval / len(self.replicas),
@@ -593,7 +594,9 @@ def simulate(
 ) -> tuple[list[Outcome], Summary]:
     """Replay ``requests`` through ``policy`` (built as the router builds it) on ``model``."""
     started = time.perf_counter()
-    policies = [build_policy(policy, params, seed=seed + number) for number in range(model.replicas)]
+    # Replica 0 keeps ``seed``, so one router replays as before; the others' seeds stay apart
+    # from any other run's (seed 1's replica 1 is not seed 2's replica 0).
+    policies = [build_policy(policy, params, seed=seed + 1000 * number) for number in range(model.replicas)]
     outcomes = Simulation(model, policies).run(requests)
     return outcomes, summarize(outcomes, model.engines, time.perf_counter() - started)
 
@@ -890,7 +893,8 @@ def run_command(
         f"{model.engines} engines x {model.capacity_tokens:,} KV tokens, router blocks of "
         f"{model.block_tokens} tokens, {model.eviction} beliefs"
         + (
-            f", {model.replicas} router replicas (load view every {model.load_interval_s * 1000:g} ms, "
+            f", {model.replicas} router replicas (load view every "
+            f"{model.load_view().load_interval(model.replicas, model.engines) * 1000:g} ms, "
             f"beliefs after {model.belief_delay_s * 1000:g} ms)"
             if model.replicas > 1
             else ""

@@ -265,6 +265,34 @@ def test_replicas_with_a_fresh_load_view_spread_a_burst_as_one_router_does() -> 
     assert blind.ttft_mean > shared.ttft_mean == alone.ttft_mean
 
 
+def test_each_replica_counts_and_hears_only_its_own_requests() -> None:
+    """Round robin over three replicas; each one's counts go back to zero and its policy hears
+    exactly the requests it routed (every third, from its number on)."""
+    model = FleetModel(engines=3, capacity_tokens=60_000, replicas=3)
+    requests = synthetic(90)
+    policies = [Listening(seed=n) for n in range(3)]
+    simulation = Simulation(model, policies)
+    simulation.run(requests)
+    for number, replica in enumerate(simulation.replicas):
+        assert set(replica.in_flight.values()) == set(replica.pending_prefill.values()) == {0}
+        assert set(replica.prefilling.values()) == {0}
+        heard = sorted(o.request.prompt_tokens for o in policies[number].heard)
+        assert heard == sorted(r.input_tokens for r in requests[number::3])
+
+
+def test_an_idle_replica_reads_the_others_only_every_idle_interval() -> None:
+    """As the live router: a replica with nothing in flight anywhere (as of its last read)
+    calls only every ``load_idle_interval_s``, so after a quiet spell its first picks of a
+    burst miss the others' until that call comes; a replica that calls every interval sees
+    them, and one that never calls sees none."""
+    requests = bursts(10, 4, 0.005)
+    base = FleetModel(engines=4, capacity_tokens=100_000, replicas=4, load_interval_s=0.001)
+    _, busy = simulate(requests, replace(base, load_idle_interval_s=0.001), "least_load")
+    _, idle = simulate(requests, replace(base, load_idle_interval_s=0.4), "least_load")
+    _, blind = simulate(requests, replace(base, load_interval_s=1.0, load_idle_interval_s=1.0), "least_load")
+    assert busy.queue_mean == 0.0 < idle.queue_mean < blind.queue_mean
+
+
 def test_a_replica_sees_another_ones_belief_only_after_the_delay() -> None:
     model = FleetModel(engines=4, capacity_tokens=100_000, replicas=2, belief_delay_s=0.01)
     # The first request goes to replica 0, the second (the same prompt) to replica 1.
@@ -295,7 +323,7 @@ def test_replicas_stretch_their_load_calls_as_the_router_does() -> None:
     assert fresh.queue_mean == 0.0 < older.queue_mean
 
 
-def test_the_closed_loop_is_refused_for_replicas() -> None:
+def test_the_fleet_model_refuses_replicas_it_cannot_model() -> None:
     with pytest.raises(ValueError, match="closed loop is modelled for one router"):
         FleetModel(replicas=2, closed_loop=True)
     with pytest.raises(ValueError, match="load_ttl_s"):
