@@ -322,8 +322,11 @@ class _Replica:
         )
 
     def idle(self) -> bool:
-        """As ``SharedLoad.idle``: nothing in flight, of its own or the others' as last read."""
-        return not any(self.in_flight.values()) and not any(count for count, _, _ in self.others.values())
+        """As ``SharedLoad.idle``: nothing in flight, of its own or the others' as last read,
+        and its own counts published as they are."""
+        if any(self.in_flight.values()) or any(count for count, _, _ in self.others.values()):
+            return False
+        return all(self.published.get(name) == self.own_load(name) for name in self.in_flight)
 
 
 def _summed(loads: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:

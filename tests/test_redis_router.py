@@ -174,6 +174,17 @@ async def test_an_idle_fleet_is_quiet_and_a_busy_replica_shares_its_load_at_once
 
             await wait_for(published, what="replica one's requests published", timeout=3)
             assert pool_two["e0"].remote_in_flight == 0  # two is idle: it has not called since
+            pool_one["e0"].in_flight = 0  # one's requests end: it publishes that, then is idle
+
+            async def withdrawn() -> bool:
+                return server.client().hget("{kvroute}:loadsums", "n/e0") == b"0"
+
+            await wait_for(withdrawn, what="replica one's finished requests published", timeout=3)
+            quiet_from = script_calls(server)
+            await asyncio.sleep(0.1)
+            assert script_calls(server) == quiet_from
+            pool_one["e0"].in_flight = 2
+            await wait_for(published, what="replica one's new requests published", timeout=3)
             pool_two["e1"].in_flight = 1  # replica two sends one, and reads the others' at once
 
             async def seen() -> bool:

@@ -288,7 +288,7 @@ def test_an_idle_replica_reads_the_others_only_every_idle_interval() -> None:
     requests = bursts(10, 4, 0.005)
     base = FleetModel(engines=4, capacity_tokens=100_000, replicas=4, load_interval_s=0.001)
     _, busy = simulate(requests, replace(base, load_idle_interval_s=0.001), "least_load")
-    _, idle = simulate(requests, replace(base, load_idle_interval_s=0.4), "least_load")
+    _, idle = simulate(requests, replace(base, load_idle_interval_s=0.3), "least_load")
     _, blind = simulate(requests, replace(base, load_interval_s=1.0, load_idle_interval_s=1.0), "least_load")
     assert busy.queue_mean == 0.0 < idle.queue_mean < blind.queue_mean
 
