@@ -150,6 +150,7 @@ def _simulate(args: argparse.Namespace) -> int:
             replicas=args.replicas,
             load_interval_s=args.load_interval_s,
             belief_delay_s=args.belief_delay_s,
+            load_on_lookup=args.load_on_lookup,
             timing=EngineTiming(prefill_per_token_s=args.prefill_per_token_s),
         )
     except ValueError as exc:
@@ -338,6 +339,12 @@ def build_parser() -> argparse.ArgumentParser:
         type=float,
         default=RedisConfig.load_interval_s,
         help="with --replicas: index.redis.load_interval_s, how often each shares its load view",
+    )
+    simulate.add_argument(
+        "--load-on-lookup",
+        action="store_true",
+        help="with --replicas: as lookup: shared with index.redis.load_on_lookup, each lookup reads the "
+        "others' load and each pick's write publishes the replica's (with --belief-delay-s 0.001)",
     )
     simulate.add_argument(
         "--belief-delay-s",

@@ -2,7 +2,7 @@
 
     python -m loadtest.bench_redis [--requests 300] [--speedup 10] [--engines 4] [--replicas 4]
                                    [--spread-s S] [--policy NAME] [--params JSON]
-                                   [--load-interval-s S] [--lookup-timeout-ms MS]
+                                   [--load-interval-s S] [--no-load-on-lookup] [--lookup-timeout-ms MS]
 
 One invocation replays the same slice of the Mooncake conversation trace (time-compressed,
 streaming) against a fresh simulated fleet for each contender, each router a real
@@ -287,13 +287,15 @@ async def run_contender(
     timing = EngineTiming(kv_blocks=args.kv_blocks, prefill_per_token_s=args.prefill_per_token_s)
     capacity = args.kv_blocks * timing.block_tokens // ROUTER_BLOCK_TOKENS
     async with SimFleet(args.engines, timing=timing) as fleet:
-        redis_options: dict[str, float] = {}
+        redis_options: dict[str, float | bool] = {}
         if args.lookup_timeout_ms is not None:
             redis_options["timeout_ms"] = args.lookup_timeout_ms
         if args.write_batch_blocks is not None:
             redis_options["write_batch_blocks"] = args.write_batch_blocks
         if args.load_interval_s is not None:
             redis_options["load_interval_s"] = args.load_interval_s
+        if args.no_load_on_lookup:
+            redis_options["load_on_lookup"] = False
         routing = {
             **({"policy": args.policy} if args.policy else {}),
             **({"params": args.params} if args.params else {}),
@@ -532,6 +534,12 @@ def build_parser() -> argparse.ArgumentParser:
         "--load-interval-s",
         type=float,
         help="the routers' index.redis.load_interval_s (default: its default)",
+    )
+    parser.add_argument(
+        "--no-load-on-lookup",
+        action="store_true",
+        help="the routers' index.redis.load_on_lookup off: (c) shares its load view only every "
+        "load_interval_s, as before 2026-12-07",
     )
     parser.add_argument("--policy", help="the routers' routing.policy (default: the code default)")
     parser.add_argument(

@@ -102,6 +102,10 @@ class FleetModel:
     #: two ``sync_interval_ms`` of 5 ms). The default is one ``sync_interval_ms``: the stream's,
     #: as bench_redis's replicas (e) use it.
     belief_delay_s: float = RedisConfig.sync_interval_ms / 1000
+    #: ``lookup: shared`` with ``index.redis.load_on_lookup``: each lookup also reads the
+    #: others' load as they last published it, and the write that follows each pick (its
+    #: belief, ``belief_delay_s`` later) also publishes the replica's counts.
+    load_on_lookup: bool = False
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.capacity_tokens < self.block_tokens:
@@ -389,12 +393,19 @@ class Simulation:
             return
         view = self._load_view
         if now - replica.last_call >= view.load_idle_interval_s or not replica.idle():
-            replica.published = {name: replica.own_load(name) for name in self.names}
-            others = [other.published for other in self.replicas if other is not replica]
-            replica.others = {name: _summed(p.get(name, (0, 0, 0)) for p in others) for name in self.names}
-            replica.last_call = now
+            self._publish(replica, now)
         interval = view.load_interval(len(self.replicas), len(self.names))
         self.schedule(now + interval, lambda t: self._share_load(replica, t))
+
+    def _publish(self, replica: _Replica, now: float) -> None:
+        """One LOAD call: publish the replica's counts, read the others' last published sums."""
+        replica.published = {name: replica.own_load(name) for name in self.names}
+        self._read(replica)
+        replica.last_call = now
+
+    def _read(self, replica: _Replica) -> None:
+        others = [other.published for other in self.replicas if other is not replica]
+        replica.others = {name: _summed(p.get(name, (0, 0, 0)) for p in others) for name in self.names}
 
     def _arrive(self, request: TraceRequest, i: int) -> None:
         model = self.model
@@ -414,6 +425,9 @@ class Simulation:
             stream=True,
             chain=chain,
         )
+        riding = model.load_on_lookup and len(self.replicas) > 1
+        if riding and uses_index:
+            self._read(replica)  # the lookup's round trip reads the fleet's sums
         backends = [replica.backend(name, matches.get(name, 0)) for name in self.names]
         decision = policy.choose(view, backends)
         kv_blocks = -(-(request.input_tokens + request.output_tokens) // model.timing.block_tokens)
@@ -448,6 +462,9 @@ class Simulation:
         self._submit(job)
         if decision.warmup is not None and uses_index:
             self._warm(replica, decision.warmup, chain, view)
+        if riding and uses_index and chain:
+            # The pick's write leaves at once and carries the replica's counts.
+            self.schedule(self.now + model.belief_delay_s, lambda now: self._publish(replica, now))
 
     def _believe(self, replica: _Replica, backend: str, chain: list[int]) -> None:
         """Record a pick in the picking replica's index now, in the others' once it reaches them."""
@@ -703,6 +720,7 @@ _FLEET_KEYS = (
     "load_interval_s",
     "load_idle_interval_s",
     "belief_delay_s",
+    "load_on_lookup",
 )
 
 

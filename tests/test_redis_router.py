@@ -13,10 +13,10 @@ from prometheus_client import CollectorRegistry
 from loadtest.sim.fleet import SimFleet
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
-from router.fleet.shared_load import SharedLoad
+from router.fleet.shared_load import SharedLoad, start_shared_load
 from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
-from tests.helpers import FAST, backends_of, scrape, total, wait_for
+from tests.helpers import FAST, INDEX_BACKENDS, backends_of, open_index, scrape, total, wait_for
 from tests.helpers import chat_after_system as chat
 from tests.redis_servers import RedisServer, redis_server
 
@@ -196,6 +196,61 @@ async def test_an_idle_fleet_is_quiet_and_a_busy_replica_shares_its_load_at_once
             await two.close()
             for link in links:
                 await link.close()
+
+
+@pytest.mark.parametrize("on_lookup", [True, False])
+async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_lookup: bool):
+    """``load_on_lookup``: a replica's write after its pick publishes its load, and another
+    replica's next lookup reads it, long before the periodic view's next call (1 s here).
+    Without it, the other replica sees the pick only at its next call."""
+    with redis_server() as server:
+        redis = {
+            "url": server.url,
+            "load_interval_s": 1.0,
+            "load_idle_interval_s": 1.0,
+            "load_ttl_s": 10,
+            "load_on_lookup": on_lookup,
+        }
+        backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
+        async with open_index(redis) as (one, _), open_index(redis) as (two, _):
+            pool_one, pool_two = BackendPool(backends), BackendPool(backends)
+            views = [start_shared_load(one, pool_one), start_shared_load(two, pool_two)]
+            try:
+
+                async def both_published() -> bool:
+                    return server.client().hlen("{kvroute}:loadparts") == 2
+
+                await wait_for(both_published, what="both replicas' first call")
+                chain = [1, 2, 3]
+                await two.match(chain, INDEX_BACKENDS)  # loads the scripts: no first-call latency below
+                # Replica one picks "b" for a prompt of 600 uncached tokens (as an Attempt counts it).
+                pool_one["b"].in_flight += 1
+                pool_one["b"].pending_prefill_tokens += 600
+                pool_one["b"].pending_prefill_requests += 1
+                one.picked("b", chain)
+                await one.flush()
+                assert await two.match(chain, INDEX_BACKENDS) == {"a": 0, "b": 3, "c": 0}
+                seen = (
+                    pool_two["b"].remote_in_flight,
+                    pool_two["b"].remote_pending_prefill_tokens,
+                    pool_two["b"].remote_pending_prefill_requests,
+                )
+                assert seen == ((1, 600, 1) if on_lookup else (0, 0, 0))
+                assert pool_one["b"].remote_in_flight == 0  # its own load is not counted twice
+                await one.match(chain, INDEX_BACKENDS)
+                assert pool_one["b"].remote_in_flight == 0
+                # A Redis that lost its scripts (a restart) answers the pipelined calls after
+                # loading them again.
+                server.client().script_flush()
+                pool_one["c"].in_flight += 1
+                one.picked("c", [7, 8])
+                await one.flush()
+                assert await two.match([7, 8], INDEX_BACKENDS) == {"a": 0, "b": 0, "c": 2}
+                assert pool_two["c"].remote_in_flight == (1 if on_lookup else 0)
+            finally:
+                for view in views:
+                    assert view is not None
+                    await view.close()
 
 
 async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl():

@@ -42,7 +42,7 @@ import time
 
 from router.fleet.backends import Backend, BackendPool
 from router.index.base import PrefixIndex
-from router.index.redis_scripts import LEAVE, LOAD, Keys, Script
+from router.index.redis_scripts import LEAVE, LOAD, Keys, LoadCall, Script
 from router.index.redis_store import RedisIndex
 from router.index.redis_sync import SyncedIndex
 from router.redis.breaker import RedisLink, RedisUnavailable
@@ -67,6 +67,8 @@ class SharedLoad:
         #: This replica's counts per backend as it last published them.
         self._published: dict[str, tuple[int, int, int]] = {}
         self._task: asyncio.Task[None] | None = None
+        #: The index whose round trips carry the view too (``ride``), if any.
+        self._rides: RedisIndex | None = None
         pool.subscribe(lambda backend: None, self._on_removed)
 
     def _on_removed(self, backend: Backend) -> None:
@@ -79,17 +81,26 @@ class SharedLoad:
 
     async def sync_once(self) -> None:
         """Publish this replica's counts and take in the others'; RedisUnavailable when Redis fails."""
+        call = self.publish_call()
+        reply = await self.link.call(
+            "load",
+            lambda: _LOAD(self.link.client, call.keys, call.args),
+            self.config.background_timeout_ms / 1000,
+        )
+        self.published(call, reply)
+
+    def publish_call(self) -> LoadCall:
+        """The LOAD script's call publishing this replica's counts as they are now."""
         args: list[object] = [self.id, int(self.config.load_ttl_s * 1000)]
         own = {backend.name: backend.own_load() for backend in self.pool}
         for name, load in own.items():
             args += [name, *load]
-        reply = await self.link.call(
-            "load",
-            lambda: _LOAD(self.link.client, self._keys, args),
-            self.config.background_timeout_ms / 1000,
-        )
+        return LoadCall(_LOAD, self._keys, args, own)
+
+    def published(self, call: LoadCall, reply: list) -> None:
+        """``call`` went through with ``reply``: the others' sums, as of now."""
         self._last_sync = time.monotonic()
-        self._published = own
+        self._published = call.own
         self.replicas, sums = int(reply[0]), reply[1:]
         others = {
             (name.decode() if isinstance(name, bytes) else name): (int(count), int(tokens), int(requests))
@@ -97,6 +108,27 @@ class SharedLoad:
                 sums[::4], sums[1::4], sums[2::4], sums[3::4], strict=True
             )
         }
+        self._set_others(others)
+
+    def sums_fields(self) -> tuple[str, list[str]]:
+        """The hash and fields of every backend's fleet-wide sums, for a read on a lookup."""
+        fields = [f"{kind}/{backend.name}" for backend in self.pool for kind in "ntr"]
+        return self.keys.load_sums, fields
+
+    def read_sums(self, fields: list[str], values: list) -> None:
+        """The fleet's sums as a lookup read them: the others' load is the sums less this
+        replica's own part, which Redis holds as it last published it. (A publish of its own
+        racing the read can leave that part one round trip out of date; it is floored at 0.)"""
+        sums = dict(zip(fields, values, strict=True))
+        others = {}
+        for backend in self.pool:
+            name = backend.name
+            count, tokens, requests = self._published.get(name, (0, 0, 0))
+            others[name] = (
+                max(0, int(sums.get(f"n/{name}") or 0) - count),
+                max(0, int(sums.get(f"t/{name}") or 0) - tokens),
+                max(0, int(sums.get(f"r/{name}") or 0) - requests),
+            )
         self._set_others(others)
 
     def _set_others(self, others: dict[str, tuple[int, int, int]]) -> None:
@@ -129,8 +161,15 @@ class SharedLoad:
         """Seconds until the next call, for the fleet as of the last one (``RedisConfig.load_interval``)."""
         return self.config.load_interval(self.replicas, len(self.pool))
 
+    def ride(self, index: RedisIndex) -> None:
+        """Ride on ``index``'s lookups and writes (``index.redis.load_on_lookup``)."""
+        index.load_rider = self
+        self._rides = index
+
     async def close(self) -> None:
         """Stop publishing and withdraw this replica's counts (best effort, bounded)."""
+        if self._rides is not None:
+            self._rides.load_rider = None  # the index's last writes must not publish again
         if self._task is not None:
             await stop_task(self._task)
         with contextlib.suppress(RedisUnavailable):
@@ -146,5 +185,7 @@ def start_shared_load(index: PrefixIndex, pool: BackendPool) -> SharedLoad | Non
     if not isinstance(index, (RedisIndex, SyncedIndex)) or not index.config.share_load:
         return None
     shared = SharedLoad(index.link, pool)
+    if isinstance(index, RedisIndex) and index.config.load_on_lookup:
+        shared.ride(index)
     shared.start()
     return shared

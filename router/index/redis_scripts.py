@@ -37,6 +37,7 @@ from __future__ import annotations
 import hashlib
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from redis.exceptions import NoScriptError
@@ -316,6 +317,29 @@ class Script:
             return await client.evalsha(self.sha, len(keys), *keys, *args)
         except NoScriptError:
             return await client.eval(self.source, len(keys), *keys, *args)
+
+    def queue(self, pipe: Any, keys: Sequence[str], args: Sequence[Any]) -> None:
+        """Add this call to ``pipe`` (a pipeline executed with ``raise_on_error=False``), by SHA1."""
+        pipe.evalsha(self.sha, len(keys), *keys, *args)
+
+    async def settle(self, client: Any, reply: Any, keys: Sequence[str], args: Sequence[Any]) -> Any:
+        """This call's reply from the pipeline; the call again alone, loading the script, if the
+        server did not have it (a restart), and the error raised if it failed."""
+        if isinstance(reply, NoScriptError):
+            return await self(client, keys, args)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+@dataclass(frozen=True)
+class LoadCall:
+    """One call of the LOAD script publishing a replica's counts (``own``, per backend)."""
+
+    script: Script
+    keys: list[str]
+    args: list[object]
+    own: dict[str, tuple[int, int, int]]
 
 
 class Keys:

@@ -20,12 +20,13 @@ import contextlib
 from collections import deque
 from collections.abc import Iterable, Sequence
 from functools import partial
+from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
 
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
-from router.index.redis_scripts import MATCH, RECORD, Keys, Script, pack_chain
+from router.index.redis_scripts import MATCH, RECORD, Keys, LoadCall, Script, pack_chain
 from router.index.settings import IndexConfig
 from router.index.write_queue import WriteQueue
 from router.redis.breaker import RedisLink, RedisUnavailable, open_link
@@ -40,6 +41,20 @@ SIZE_REFRESH_S = 1.0
 
 _MATCH = Script(MATCH)
 _RECORD = Script(RECORD)
+
+
+class LoadRider(Protocol):
+    """The shared load view, riding on this index's round trips (``index.redis.load_on_lookup``;
+    router.fleet.shared_load.SharedLoad): each lookup reads the fleet's sums, and each write,
+    which leaves at once after a pick, publishes this replica's counts."""
+
+    def sums_fields(self) -> tuple[str, list[str]]: ...
+
+    def read_sums(self, fields: list[str], values: list[Any]) -> None: ...
+
+    def publish_call(self) -> LoadCall: ...
+
+    def published(self, call: LoadCall, reply: list[Any]) -> None: ...
 
 
 class RedisIndex(PrefixIndex):
@@ -64,6 +79,8 @@ class RedisIndex(PrefixIndex):
         self._tasks: list[asyncio.Task[None]] = []
         #: Entries this router's writes evicted in Redis (capacity and global budget).
         self.evictions = 0
+        #: The shared load view, when it rides on lookups and writes (router/fleet/shared_load.py).
+        self.load_rider: LoadRider | None = None
 
     async def start(self) -> None:
         await self._warm(WARM_CONNECTIONS)
@@ -123,12 +140,11 @@ class RedisIndex(PrefixIndex):
         if self.link.up:
             keys = [self.keys.epochs, *(self.keys.blocks(name) for name in names)]
             args = [self.eviction, self._belief_ttl_ms, pack_chain(chain)]
+            match = partial(_MATCH, self.link.client, keys, args)
+            if self.load_rider is not None:
+                match = partial(self._match_and_read_load, self.load_rider, keys, args)
             try:
-                reply = await self.link.call(
-                    "match",
-                    partial(_MATCH, self.link.client, keys, args),
-                    self.config.timeout_ms / 1000,
-                )
+                reply = await self.link.call("match", match, self.config.timeout_ms / 1000)
             except RedisUnavailable:
                 pass
             else:
@@ -140,6 +156,21 @@ class RedisIndex(PrefixIndex):
                 return depths
         self.metrics.fallbacks.inc()
         return await self.local.match(chain, names)
+
+    async def _match_and_read_load(self, rider: LoadRider, keys: list[str], args: list[Any]) -> Any:
+        """The lookup and a read of the fleet's load sums in one round trip: the pick that
+        follows sees every other replica's load as they last published it (at their last
+        write, so at their last pick), not as of this replica's last periodic call."""
+        client = self.link.client
+        sums_key, fields = rider.sums_fields()
+        pipe = client.pipeline(transaction=False)
+        _MATCH.queue(pipe, keys, args)
+        pipe.hmget(sums_key, fields)
+        depths, sums = await pipe.execute(raise_on_error=False)
+        if isinstance(sums, Exception):
+            raise sums
+        rider.read_sums(fields, sums)
+        return await _MATCH.settle(client, depths, keys, args)
 
     def record(self, backend: str, chain: Sequence[int]) -> None:
         self.local.record(backend, chain)
@@ -193,14 +224,27 @@ class RedisIndex(PrefixIndex):
         for backend, chain in batch:
             if backend in position:
                 args += [position[backend], self._capacity[backend], pack_chain(chain)]
+        write = partial(_RECORD, client, keys, args)
+        if self.load_rider is not None:
+            write = partial(self._record_and_publish_load, self.load_rider, keys, args)
         try:
-            evicted = await self.link.call(
-                "record", lambda: _RECORD(client, keys, args), self._background_timeout
-            )
+            evicted = await self.link.call("record", write, self._background_timeout)
         except RedisUnavailable:
             self.metrics.dropped_updates.labels("redis_unavailable").inc(len(batch))
         else:
             self.evictions += int(evicted)
+
+    async def _record_and_publish_load(self, rider: LoadRider, keys: list[str], args: list[Any]) -> Any:
+        """A batch of writes and this replica's load in one round trip: a write leaves at once
+        after a pick, so the others' next lookups see the pick's load with its belief."""
+        client = self.link.client
+        load = rider.publish_call()
+        pipe = client.pipeline(transaction=False)
+        _RECORD.queue(pipe, keys, args)
+        load.script.queue(pipe, load.keys, load.args)
+        evicted, reply = await pipe.execute(raise_on_error=False)
+        rider.published(load, await load.script.settle(client, reply, load.keys, load.args))
+        return await _RECORD.settle(client, evicted, keys, args)
 
     async def _refresh_loop(self) -> None:
         """Keep ``size``/``blocks_of`` current for metrics and policies, even without traffic."""

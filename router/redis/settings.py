@@ -92,6 +92,12 @@ class RedisConfig:
     #: loadtest.bench_shared_load``); see ``load_interval_fleet``. What an interval costs a
     #: fleet's placement: ``kvroute simulate --replicas N --sweep load_interval_s=...``.
     load_interval_s: PositiveFloat = 0.01
+    #: With ``lookup: shared``: carry the view on the round trips each request already makes,
+    #: so a pick sees the others' load as of their last pick rather than one or two intervals
+    #: old. Each lookup also reads the fleet's sums (one HMGET in its pipeline), and each
+    #: write, which leaves at once after a pick, also publishes this router's counts (a LOAD
+    #: call in its pipeline: Redis time in proportion to the backends, per write batch).
+    load_on_lookup: bool = True
     #: Replicas x backends up to which ``load_interval_s`` holds; on a larger fleet each replica
     #: stretches its interval in proportion (x2 at twice this, at most a third of
     #: ``load_ttl_s``), so the fleet's calls take about the same share of Redis's core whatever
