@@ -392,9 +392,11 @@ class Simulation:
         if not self._open:
             return
         view = self._load_view
-        if now - replica.last_call >= view.load_idle_interval_s or not replica.idle():
-            self._publish(replica, now)
         interval = view.load_interval(len(self.replicas), len(self.names))
+        since = now - replica.last_call
+        ridden = self.model.load_on_lookup and since < interval  # a write published it lately
+        if not ridden and (since >= view.load_idle_interval_s or not replica.idle()):
+            self._publish(replica, now)
         self.schedule(now + interval, lambda t: self._share_load(replica, t))
 
     def _publish(self, replica: _Replica, now: float) -> None:

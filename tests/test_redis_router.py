@@ -229,7 +229,12 @@ async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_look
                 pool_one["b"].pending_prefill_requests += 1
                 one.picked("b", chain)
                 await one.flush()
+                before = server.command_calls()
                 assert await two.match(chain, INDEX_BACKENDS) == {"a": 0, "b": 3, "c": 0}
+                after = server.command_calls()
+                # Still one round trip: the sums come back from the lookup's own script.
+                assert after["evalsha"] - before["evalsha"] == 1
+                assert after.get("hmget", 0) - before.get("hmget", 0) == (1 if on_lookup else 0)
                 seen = (
                     pool_two["b"].remote_in_flight,
                     pool_two["b"].remote_pending_prefill_tokens,

@@ -27,6 +27,15 @@ replica stretches its interval by replicas x backends / ``load_interval_fleet`` 
 replicas are counted by each call), which holds Redis's share of work for the view about
 constant (``python -m loadtest.bench_shared_load``).
 
+With ``lookup: shared`` (``index.redis.load_on_lookup``) the view also rides on the round
+trips each request makes anyway: every lookup's script reads the fleet's sums (the others'
+load is the sums less this replica's part), and every write, which leaves at once after a
+pick, publishes this replica's counts in its pipeline. A pick then sees the others' load as
+of their last pick, where the periodic calls alone show it up to two intervals old
+(docs/benchmarks/2026-12-07-shared-load.md). A replica whose writes published within the
+last interval skips its periodic call; the calls carry the view, and the liveness below,
+while it sends nothing.
+
 Liveness: a replica's counts live under its id with its last publish time; one that has
 not published for ``load_ttl_s`` (it died) stops counting then, and its counts are withdrawn
 by the next publisher. A replica that stops cleanly withdraws its counts at once. While
@@ -149,8 +158,12 @@ class SharedLoad:
 
     async def _run(self) -> None:
         while True:
-            due = time.monotonic() - self._last_sync >= self.config.load_idle_interval_s
-            if self.link.up and (due or not self.idle()):
+            since = time.monotonic() - self._last_sync
+            # Riding on the index, a busy replica publishes with every write: a call of its own
+            # within an interval of one would add nothing.
+            ridden = self._rides is not None and since < self.interval()
+            due = since >= self.config.load_idle_interval_s
+            if self.link.up and not ridden and (due or not self.idle()):
                 with contextlib.suppress(RedisUnavailable):
                     await self.sync_once()
             if time.monotonic() - self._last_sync > self.config.load_ttl_s:

@@ -57,6 +57,9 @@ end
 #: KEYS[1]: the epochs ZSET; KEYS[2..]: the candidates' block ZSETs.
 #: ARGV: policy, the belief ttl in ms (ttl policy), the chain packed (8 bytes a block).
 #: Returns, per candidate, the matched depth and the ZSET's size: {depth1, size1, ...}.
+#: With the shared load view riding on the lookup (``index.redis.load_on_lookup``), ARGV[4]
+#: is a count F of fields and ARGV[5..4+F] the fields, KEYS[#KEYS] the load sums hash, and
+#: the F sums (0 for a missing one) follow the candidates' pairs: one round trip for both.
 #:
 #: A backend's set always holds a *prefix* of any chain: every write touches a chain from
 #: its block 0 and scores block i above block i+1 (see RECORD), and everything that removes
@@ -76,8 +79,10 @@ local function held(key, b)
   local score = redis.call('ZSCORE', key, string.sub(chain, 8 * b - 7, 8 * b))
   return score and (not ttl or tonumber(score) > cut)
 end
+local fields = tonumber(ARGV[4] or '0')
+local candidates = fields > 0 and #KEYS - 1 or #KEYS
 local out = {}
-for i = 2, #KEYS do
+for i = 2, candidates do
   local key = KEYS[i]
   local lo, hi, probe = 0, nil, 1
   while probe <= blocks do
@@ -99,6 +104,10 @@ for i = 2, #KEYS do
   end
   out[#out + 1] = lo
   out[#out + 1] = redis.call('ZCARD', key)
+end
+if fields > 0 then
+  local sums = redis.call('HMGET', KEYS[#KEYS], unpack(ARGV, 5, 4 + fields))
+  for k = 1, fields do out[#out + 1] = sums[k] or 0 end
 end
 return out
 """

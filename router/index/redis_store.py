@@ -139,15 +139,24 @@ class RedisIndex(PrefixIndex):
             return dict.fromkeys(names, 0)
         if self.link.up:
             keys = [self.keys.epochs, *(self.keys.blocks(name) for name in names)]
-            args = [self.eviction, self._belief_ttl_ms, pack_chain(chain)]
-            match = partial(_MATCH, self.link.client, keys, args)
-            if self.load_rider is not None:
-                match = partial(self._match_and_read_load, self.load_rider, keys, args)
+            args: list[object] = [self.eviction, self._belief_ttl_ms, pack_chain(chain)]
+            rider = self.load_rider
+            if rider is not None:
+                # The fleet's load sums come back with the depths: the pick that follows sees
+                # every other replica's load as they last published it (at their last write,
+                # so their last pick), not as of this replica's last periodic call.
+                sums_key, fields = rider.sums_fields()
+                keys.append(sums_key)
+                args += [len(fields), *fields]
             try:
-                reply = await self.link.call("match", match, self.config.timeout_ms / 1000)
+                reply = await self.link.call(
+                    "match", partial(_MATCH, self.link.client, keys, args), self.config.timeout_ms / 1000
+                )
             except RedisUnavailable:
                 pass
             else:
+                if rider is not None:
+                    rider.read_sums(fields, reply[2 * len(names) :])
                 depths = {}
                 for i, name in enumerate(names):
                     depths[name] = int(reply[2 * i])
@@ -156,21 +165,6 @@ class RedisIndex(PrefixIndex):
                 return depths
         self.metrics.fallbacks.inc()
         return await self.local.match(chain, names)
-
-    async def _match_and_read_load(self, rider: LoadRider, keys: list[str], args: list[Any]) -> Any:
-        """The lookup and a read of the fleet's load sums in one round trip: the pick that
-        follows sees every other replica's load as they last published it (at their last
-        write, so at their last pick), not as of this replica's last periodic call."""
-        client = self.link.client
-        sums_key, fields = rider.sums_fields()
-        pipe = client.pipeline(transaction=False)
-        _MATCH.queue(pipe, keys, args)
-        pipe.hmget(sums_key, fields)
-        depths, sums = await pipe.execute(raise_on_error=False)
-        if isinstance(sums, Exception):
-            raise sums
-        rider.read_sums(fields, sums)
-        return await _MATCH.settle(client, depths, keys, args)
 
     def record(self, backend: str, chain: Sequence[int]) -> None:
         self.local.record(backend, chain)

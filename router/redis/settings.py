@@ -94,7 +94,7 @@ class RedisConfig:
     load_interval_s: PositiveFloat = 0.01
     #: With ``lookup: shared``: carry the view on the round trips each request already makes,
     #: so a pick sees the others' load as of their last pick rather than one or two intervals
-    #: old. Each lookup also reads the fleet's sums (one HMGET in its pipeline), and each
+    #: old. Each lookup's script also reads the fleet's sums (the same round trip), and each
     #: write, which leaves at once after a pick, also publishes this router's counts (a LOAD
     #: call in its pipeline: Redis time in proportion to the backends, per write batch).
     load_on_lookup: bool = True
