@@ -258,6 +258,39 @@ async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_look
                     await view.close()
 
 
+async def test_a_replica_whose_writes_carry_its_load_skips_its_periodic_calls():
+    """Riding on the index, a busy replica publishes with each write; while its writes come
+    more often than ``load_interval_s`` its own periodic calls would add nothing, and stop."""
+    with redis_server() as server:
+        redis = {"url": server.url, "load_interval_s": 0.05, "load_idle_interval_s": 0.05, "load_ttl_s": 10}
+        backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
+        async with open_index(redis) as (index, _):
+            pool = BackendPool(backends)
+            view = start_shared_load(index, pool)
+            assert view is not None
+            calls = 0
+            sync_once = view.sync_once
+
+            async def counted() -> None:
+                nonlocal calls
+                calls += 1
+                await sync_once()
+
+            view.sync_once = counted  # type: ignore[method-assign]
+            try:
+                pool["a"].in_flight = 1  # busy: the periodic calls go on
+                await asyncio.sleep(0.5)
+                assert calls >= 5
+                calls = 0
+                for i in range(50):  # a write every 10 ms, each carrying the load
+                    index.picked("a", [i + 1])
+                    await asyncio.sleep(0.01)
+                assert calls <= 1
+                assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
+            finally:
+                await view.close()
+
+
 async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl():
     """Past ``load_interval_fleet`` replicas x backends each replica stretches its interval in
     proportion, so the fleet's calls cost Redis about the same whatever its size; never so far
