@@ -394,10 +394,19 @@ class Simulation:
         view = self._load_view
         interval = view.load_interval(len(self.replicas), len(self.names))
         since = now - replica.last_call
-        ridden = self.model.load_on_lookup and since < interval  # a write published it lately
+        # A write published it lately, and nothing changed since (``SharedLoad._run``).
+        own = {name: replica.own_load(name) for name in self.names}
+        ridden = self._riding() and since < interval and replica.published == own
         if not ridden and (since >= view.load_idle_interval_s or not replica.idle()):
             self._publish(replica, now)
         self.schedule(now + interval, lambda t: self._share_load(replica, t))
+
+    def _riding(self) -> bool:
+        """As ``SharedLoad.riding``: the view rides on lookups and writes only on a fleet
+        within ``load_interval_fleet``, where the interval is not stretched."""
+        view = self._load_view
+        unstretched = view.load_interval(len(self.replicas), len(self.names)) <= view.load_interval_s
+        return self.model.load_on_lookup and len(self.replicas) > 1 and unstretched
 
     def _publish(self, replica: _Replica, now: float) -> None:
         """One LOAD call: publish the replica's counts, read the others' last published sums."""
@@ -427,7 +436,7 @@ class Simulation:
             stream=True,
             chain=chain,
         )
-        riding = model.load_on_lookup and len(self.replicas) > 1
+        riding = self._riding()
         if riding and uses_index:
             self._read(replica)  # the lookup's round trip reads the fleet's sums
         backends = [replica.backend(name, matches.get(name, 0)) for name in self.names]

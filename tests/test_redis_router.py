@@ -16,7 +16,7 @@ from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad, start_shared_load
 from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
-from tests.helpers import FAST, INDEX_BACKENDS, backends_of, open_index, scrape, total, wait_for
+from tests.helpers import FAST, INDEX_BACKENDS, backends_of, open_index, sample, scrape, total, wait_for
 from tests.helpers import chat_after_system as chat
 from tests.redis_servers import RedisServer, redis_server
 
@@ -198,11 +198,13 @@ async def test_an_idle_fleet_is_quiet_and_a_busy_replica_shares_its_load_at_once
                 await link.close()
 
 
-@pytest.mark.parametrize("on_lookup", [True, False])
-async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_lookup: bool):
+@pytest.mark.parametrize(("on_lookup", "fleet"), [(True, 32), (False, 32), (True, 2)])
+async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_lookup: bool, fleet: int):
     """``load_on_lookup``: a replica's write after its pick publishes its load, and another
     replica's next lookup reads it, long before the periodic view's next call (1 s here).
-    Without it, the other replica sees the pick only at its next call."""
+    Without it, or past ``load_interval_fleet`` replicas x backends (2 x 3 > 2), the other
+    replica sees the pick only at its next call."""
+    rides = on_lookup and fleet == 32
     with redis_server() as server:
         redis = {
             "url": server.url,
@@ -210,6 +212,7 @@ async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_look
             "load_idle_interval_s": 1.0,
             "load_ttl_s": 10,
             "load_on_lookup": on_lookup,
+            "load_interval_fleet": fleet,
         }
         backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
         async with open_index(redis) as (one, _), open_index(redis) as (two, _):
@@ -234,13 +237,13 @@ async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_look
                 after = server.command_calls()
                 # Still one round trip: the sums come back from the lookup's own script.
                 assert after["evalsha"] - before["evalsha"] == 1
-                assert after.get("hmget", 0) - before.get("hmget", 0) == (1 if on_lookup else 0)
+                assert after.get("hmget", 0) - before.get("hmget", 0) == (1 if rides else 0)
                 seen = (
                     pool_two["b"].remote_in_flight,
                     pool_two["b"].remote_pending_prefill_tokens,
                     pool_two["b"].remote_pending_prefill_requests,
                 )
-                assert seen == ((1, 600, 1) if on_lookup else (0, 0, 0))
+                assert seen == ((1, 600, 1) if rides else (0, 0, 0))
                 assert pool_one["b"].remote_in_flight == 0  # its own load is not counted twice
                 await one.match(chain, INDEX_BACKENDS)
                 assert pool_one["b"].remote_in_flight == 0
@@ -251,11 +254,43 @@ async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_look
                 one.picked("c", [7, 8])
                 await one.flush()
                 assert await two.match([7, 8], INDEX_BACKENDS) == {"a": 0, "b": 0, "c": 2}
-                assert pool_two["c"].remote_in_flight == (1 if on_lookup else 0)
+                assert pool_two["c"].remote_in_flight == (1 if rides else 0)
             finally:
                 for view in views:
                     assert view is not None
                     await view.close()
+
+
+async def test_a_load_that_fails_beside_a_write_loses_neither_the_write_nor_later_publishes():
+    """The load is a passenger on the write: when its script fails (here the sums' key holds a
+    string), the write still lands and is not counted as dropped, and once the key is right
+    again the next write publishes the load."""
+    with redis_server() as server:
+        redis = {"url": server.url, "load_interval_s": 1.0, "load_idle_interval_s": 1.0, "load_ttl_s": 10}
+        backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
+        async with open_index(redis) as (index, metrics):
+            pool = BackendPool(backends)
+            view = start_shared_load(index, pool)
+            assert view is not None
+            try:
+
+                async def first_call() -> bool:
+                    return server.client().hlen("{kvroute}:loadparts") == 1
+
+                await wait_for(first_call, what="the first periodic call")
+                server.client().set("{kvroute}:loadsums", "not a hash")
+                pool["a"].in_flight = 1
+                index.picked("a", [1, 2, 3])
+                await index.flush()
+                assert server.client().zcard("{kvroute}:blocks:a") == 3
+                assert sample(metrics, "kvroute_index_dropped_updates_total", reason="redis_unavailable") == 0
+                assert sample(metrics, "kvroute_redis_errors_total", op="load", kind="response") == 1
+                server.client().delete("{kvroute}:loadsums")
+                index.picked("a", [1, 2, 3, 4])
+                await index.flush()
+                assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
+            finally:
+                await view.close()
 
 
 async def test_a_replica_whose_writes_carry_its_load_skips_its_periodic_calls():

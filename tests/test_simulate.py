@@ -293,6 +293,27 @@ def test_an_idle_replica_reads_the_others_only_every_idle_interval() -> None:
     assert busy.queue_mean == 0.0 < idle.queue_mean < blind.queue_mean
 
 
+def test_the_view_on_lookups_spreads_a_burst_however_rare_the_periodic_calls() -> None:
+    """``load_on_lookup``: each lookup reads the others' load as their last write published
+    it, so a burst spreads as one router spreads it with periodic calls 1 s apart; not on a
+    fleet past ``load_interval_fleet``, where the view does not ride (16 x 4 > 32). (It rides on
+    lookups and writes, which only a policy that matches prefixes makes.)"""
+    requests = bursts(10, 4, 0.005)
+    slow = FleetModel(
+        engines=4,
+        capacity_tokens=100_000,
+        replicas=4,
+        load_interval_s=0.9,
+        load_idle_interval_s=0.9,
+        belief_delay_s=0.001,
+    )
+    _, periodic = simulate(requests, slow, "prefix_aware")
+    _, riding = simulate(requests, replace(slow, load_on_lookup=True), "prefix_aware")
+    _, large = simulate(requests, replace(slow, load_on_lookup=True, replicas=16), "prefix_aware")
+    assert riding.queue_mean == 0.0 < periodic.queue_mean
+    assert large.queue_mean > 0.0
+
+
 def test_a_replica_sees_another_ones_belief_only_after_the_delay() -> None:
     model = FleetModel(engines=4, capacity_tokens=100_000, replicas=2, belief_delay_s=0.01)
     # The first request goes to replica 0, the second (the same prompt) to replica 1.

@@ -51,7 +51,7 @@ import time
 
 from router.fleet.backends import Backend, BackendPool
 from router.index.base import PrefixIndex
-from router.index.redis_scripts import LEAVE, LOAD, Keys, LoadCall, Script
+from router.index.redis_scripts import LEAVE, LOAD, Keys, LoadCall, Script, SumsRead
 from router.index.redis_store import RedisIndex
 from router.index.redis_sync import SyncedIndex
 from router.redis.breaker import RedisLink, RedisUnavailable
@@ -73,8 +73,15 @@ class SharedLoad:
         self._last_sync = 0.0
         #: Live replicas, this one included, as of the last call.
         self.replicas = 1
-        #: This replica's counts per backend as it last published them.
+        #: This replica's counts per backend as it last published them: its part of Redis's sums.
         self._published: dict[str, tuple[int, int, int]] = {}
+        #: Publishes started, and whether one is in flight: at most one is, so that Redis holds
+        #: ``_published`` whenever none is, and a lookup's sums less it are the others' load.
+        self._publishes = 0
+        self._quiet = asyncio.Event()
+        self._quiet.set()
+        #: The sums' fields for the pool's backends, kept while the pool's names stay the same.
+        self._fields: tuple[tuple[str, ...], list[str]] = ((), [])
         self._task: asyncio.Task[None] | None = None
         #: The index whose round trips carry the view too (``ride``), if any.
         self._rides: RedisIndex | None = None
@@ -89,25 +96,44 @@ class SharedLoad:
         self._task = asyncio.create_task(self._run(), name="kvroute-shared-load")
 
     async def sync_once(self) -> None:
-        """Publish this replica's counts and take in the others'; RedisUnavailable when Redis fails."""
+        """Publish this replica's counts and take in the others'; RedisUnavailable when Redis
+        fails. Nothing to do while a write's publish is in flight: it carries the same."""
         call = self.publish_call()
-        reply = await self.link.call(
-            "load",
-            lambda: _LOAD(self.link.client, call.keys, call.args),
-            self.config.background_timeout_ms / 1000,
-        )
+        if call is None:
+            return
+        try:
+            reply = await self.link.call(
+                "load",
+                lambda: _LOAD(self.link.client, call.keys, call.args),
+                self.config.background_timeout_ms / 1000,
+            )
+        except BaseException:
+            self.publish_failed()
+            raise
         self.published(call, reply)
 
-    def publish_call(self) -> LoadCall:
-        """The LOAD script's call publishing this replica's counts as they are now."""
+    def riding(self) -> bool:
+        """Whether lookups and writes carry the view now: only on a fleet within
+        ``load_interval_fleet``, since a publish per write costs Redis in proportion to the
+        backends, which past that size the stretched periodic calls are there to bound."""
+        return self._rides is not None and self.interval() <= self.config.load_interval_s
+
+    def publish_call(self) -> LoadCall | None:
+        """The LOAD script's call publishing this replica's counts as they are now; None while
+        another is in flight. The caller reports its end: ``published`` or ``publish_failed``."""
+        if not self._quiet.is_set():
+            return None
+        self._quiet.clear()
+        self._publishes += 1
         args: list[object] = [self.id, int(self.config.load_ttl_s * 1000)]
-        own = {backend.name: backend.own_load() for backend in self.pool}
+        own = self._own()
         for name, load in own.items():
             args += [name, *load]
         return LoadCall(_LOAD, self._keys, args, own)
 
     def published(self, call: LoadCall, reply: list) -> None:
         """``call`` went through with ``reply``: the others' sums, as of now."""
+        self._quiet.set()
         self._last_sync = time.monotonic()
         self._published = call.own
         self.replicas, sums = int(reply[0]), reply[1:]
@@ -118,17 +144,29 @@ class SharedLoad:
             )
         }
         self._set_others(others)
+        self._export()
 
-    def sums_fields(self) -> tuple[str, list[str]]:
-        """The hash and fields of every backend's fleet-wide sums, for a read on a lookup."""
-        fields = [f"{kind}/{backend.name}" for backend in self.pool for kind in "ntr"]
-        return self.keys.load_sums, fields
+    def publish_failed(self) -> None:
+        """The publish in flight did not go through (or its outcome is unknown): the next may."""
+        self._quiet.set()
 
-    def read_sums(self, fields: list[str], values: list) -> None:
+    def sums_read(self) -> SumsRead | None:
+        """What a lookup should read of the fleet's sums (None: nothing, while this replica's
+        own part in Redis is in doubt, a publish being in flight, or when not ``riding``)."""
+        if not self.riding() or not self._quiet.is_set():
+            return None
+        names = tuple(backend.name for backend in self.pool)
+        if names != self._fields[0]:
+            self._fields = (names, [f"{kind}/{name}" for name in names for kind in "ntr"])
+        return SumsRead(self.keys.load_sums, self._fields[1], self._publishes)
+
+    def read_sums(self, read: SumsRead, values: list) -> None:
         """The fleet's sums as a lookup read them: the others' load is the sums less this
-        replica's own part, which Redis holds as it last published it. (A publish of its own
-        racing the read can leave that part one round trip out of date; it is floored at 0.)"""
-        sums = dict(zip(fields, values, strict=True))
+        replica's own part, which Redis held as ``_published`` if no publish of its own started
+        since the read was sent (else the read is dropped: its part might be either)."""
+        if read.publishes != self._publishes:
+            return
+        sums = dict(zip(read.fields, values, strict=True))
         others = {}
         for backend in self.pool:
             name = backend.name
@@ -140,11 +178,18 @@ class SharedLoad:
             )
         self._set_others(others)
 
+    def _own(self) -> dict[str, tuple[int, int, int]]:
+        return {backend.name: backend.own_load() for backend in self.pool}
+
     def _set_others(self, others: dict[str, tuple[int, int, int]]) -> None:
         for backend in self.pool:
             count, tokens, requests = others.get(backend.name, (0, 0, 0))
             backend.set_remote_load(count, tokens, requests)
-            self.link.metrics.others_in_flight.labels(backend.name).set(count)
+
+    def _export(self) -> None:
+        """The others' in-flight counts as gauges: on each call, not on each lookup."""
+        for backend in self.pool:
+            self.link.metrics.others_in_flight.labels(backend.name).set(backend.remote_in_flight)
 
     def idle(self) -> bool:
         """Nothing in flight anywhere, as far as this replica knows (its own requests, and the
@@ -154,20 +199,21 @@ class SharedLoad:
         prefill included) in the others' view for ``load_idle_interval_s``."""
         if any(backend.in_flight or backend.remote_in_flight for backend in self.pool):
             return False
-        return all(self._published.get(backend.name) == backend.own_load() for backend in self.pool)
+        return self._published == self._own()
 
     async def _run(self) -> None:
         while True:
             since = time.monotonic() - self._last_sync
             # Riding on the index, a busy replica publishes with every write: a call of its own
             # within an interval of one would add nothing.
-            ridden = self._rides is not None and since < self.interval()
+            ridden = self.riding() and since < self.interval() and self._published == self._own()
             due = since >= self.config.load_idle_interval_s
             if self.link.up and not ridden and (due or not self.idle()):
                 with contextlib.suppress(RedisUnavailable):
                     await self.sync_once()
             if time.monotonic() - self._last_sync > self.config.load_ttl_s:
                 self._set_others({})
+            self._export()
             await asyncio.sleep(self.interval())
 
     def interval(self) -> float:
@@ -185,6 +231,8 @@ class SharedLoad:
             self._rides.load_rider = None  # the index's last writes must not publish again
         if self._task is not None:
             await stop_task(self._task)
+        with contextlib.suppress(TimeoutError):  # a write's publish in flight lands before LEAVE
+            await asyncio.wait_for(self._quiet.wait(), self.config.background_timeout_ms / 1000)
         with contextlib.suppress(RedisUnavailable):
             await self.link.call(
                 "load",

@@ -351,6 +351,16 @@ class LoadCall:
     own: dict[str, tuple[int, int, int]]
 
 
+@dataclass(frozen=True)
+class SumsRead:
+    """A lookup's read of the load sums: the hash, its fields, and the count of the reader's
+    own publishes when it was sent (the reply is of use only if none started since)."""
+
+    key: str
+    fields: list[str]
+    publishes: int
+
+
 class Keys:
     """Key names under one namespace, all in the hash tag ``{namespace}`` (one Cluster slot)."""
 

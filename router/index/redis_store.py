@@ -23,10 +23,11 @@ from functools import partial
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry
+from redis.exceptions import RedisError
 
 from router.index.base import PrefixIndex
 from router.index.memory import MemoryIndex
-from router.index.redis_scripts import MATCH, RECORD, Keys, LoadCall, Script, pack_chain
+from router.index.redis_scripts import MATCH, RECORD, Keys, LoadCall, Script, SumsRead, pack_chain
 from router.index.settings import IndexConfig
 from router.index.write_queue import WriteQueue
 from router.redis.breaker import RedisLink, RedisUnavailable, open_link
@@ -48,13 +49,17 @@ class LoadRider(Protocol):
     router.fleet.shared_load.SharedLoad): each lookup reads the fleet's sums, and each write,
     which leaves at once after a pick, publishes this replica's counts."""
 
-    def sums_fields(self) -> tuple[str, list[str]]: ...
+    def sums_read(self) -> SumsRead | None: ...
 
-    def read_sums(self, fields: list[str], values: list[Any]) -> None: ...
+    def read_sums(self, read: SumsRead, values: list[Any]) -> None: ...
 
-    def publish_call(self) -> LoadCall: ...
+    def riding(self) -> bool: ...
+
+    def publish_call(self) -> LoadCall | None: ...
 
     def published(self, call: LoadCall, reply: list[Any]) -> None: ...
+
+    def publish_failed(self) -> None: ...
 
 
 class RedisIndex(PrefixIndex):
@@ -141,13 +146,15 @@ class RedisIndex(PrefixIndex):
             keys = [self.keys.epochs, *(self.keys.blocks(name) for name in names)]
             args: list[object] = [self.eviction, self._belief_ttl_ms, pack_chain(chain)]
             rider = self.load_rider
-            if rider is not None:
+            read = rider.sums_read() if rider is not None else None
+            if read is not None and read.fields:
                 # The fleet's load sums come back with the depths: the pick that follows sees
                 # every other replica's load as they last published it (at their last write,
                 # so their last pick), not as of this replica's last periodic call.
-                sums_key, fields = rider.sums_fields()
-                keys.append(sums_key)
-                args += [len(fields), *fields]
+                keys.append(read.key)
+                args += [len(read.fields), *read.fields]
+            else:
+                read = None
             try:
                 reply = await self.link.call(
                     "match", partial(_MATCH, self.link.client, keys, args), self.config.timeout_ms / 1000
@@ -155,8 +162,8 @@ class RedisIndex(PrefixIndex):
             except RedisUnavailable:
                 pass
             else:
-                if rider is not None:
-                    rider.read_sums(fields, reply[2 * len(names) :])
+                if rider is not None and read is not None:
+                    rider.read_sums(read, reply[2 * len(names) :])
                 depths = {}
                 for i, name in enumerate(names):
                     depths[name] = int(reply[2 * i])
@@ -219,8 +226,12 @@ class RedisIndex(PrefixIndex):
             if backend in position:
                 args += [position[backend], self._capacity[backend], pack_chain(chain)]
         write = partial(_RECORD, client, keys, args)
-        if self.load_rider is not None:
-            write = partial(self._record_and_publish_load, self.load_rider, keys, args)
+        rider = self.load_rider
+        # Only while the link is up: then the call runs the write, which reports the publish's end.
+        riding = rider is not None and rider.riding() and self.link.up
+        load = rider.publish_call() if rider is not None and riding else None
+        if rider is not None and load is not None:
+            write = partial(self._record_and_publish_load, rider, load, keys, args)
         try:
             evicted = await self.link.call("record", write, self._background_timeout)
         except RedisUnavailable:
@@ -228,17 +239,30 @@ class RedisIndex(PrefixIndex):
         else:
             self.evictions += int(evicted)
 
-    async def _record_and_publish_load(self, rider: LoadRider, keys: list[str], args: list[Any]) -> Any:
+    async def _record_and_publish_load(
+        self, rider: LoadRider, load: LoadCall, keys: list[str], args: list[Any]
+    ) -> Any:
         """A batch of writes and this replica's load in one round trip: a write leaves at once
-        after a pick, so the others' next lookups see the pick's load with its belief."""
+        after a pick, so the others' next lookups see the pick's load with its belief. The load
+        is a passenger: its failure is counted and never fails (or loses) the write."""
         client = self.link.client
-        load = rider.publish_call()
-        pipe = client.pipeline(transaction=False)
-        _RECORD.queue(pipe, keys, args)
-        load.script.queue(pipe, load.keys, load.args)
-        evicted, reply = await pipe.execute(raise_on_error=False)
-        rider.published(load, await load.script.settle(client, reply, load.keys, load.args))
-        return await _RECORD.settle(client, evicted, keys, args)
+        settled = False
+        try:
+            pipe = client.pipeline(transaction=False)
+            _RECORD.queue(pipe, keys, args)
+            load.script.queue(pipe, load.keys, load.args)
+            written, loaded = await pipe.execute(raise_on_error=False)
+            try:
+                reply = await load.script.settle(client, loaded, load.keys, load.args)
+            except RedisError:
+                self.metrics.errors.labels("load", "response").inc()
+            else:
+                rider.published(load, reply)
+                settled = True
+            return await _RECORD.settle(client, written, keys, args)
+        finally:
+            if not settled:
+                rider.publish_failed()
 
     async def _refresh_loop(self) -> None:
         """Keep ``size``/``blocks_of`` current for metrics and policies, even without traffic."""
