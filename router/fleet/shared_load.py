@@ -6,9 +6,9 @@ A policy weighing "how busy is this backend" must count the requests every repli
 there, not only its own, or N replicas each pile up to the threshold on the same engine.
 Each replica publishes its own counts every ``load_interval_s`` (one script call, which
 also returns everyone else's sums), and each backend's view then shows its own in-flight
-count, current to the request, plus the others', at most one interval old. Redis keeps the
-sums as they go (router/index/redis_scripts.py, ``_LOAD_VIEW``), so a call costs it in
-proportion to the backends, however many replicas there are.
+count, current to the request, plus the others', at most two intervals old (theirs and its
+own). Redis keeps the sums as they go (router/index/redis_scripts.py, ``_LOAD_VIEW``), so a
+call costs it in proportion to the backends, however many replicas there are.
 
 While nothing is in flight anywhere (its own requests, and the others' as of its last call)
 a replica calls only every ``load_idle_interval_s``: an idle fleet has nothing that ages, and
@@ -33,8 +33,12 @@ load is the sums less this replica's part), and every write, which leaves at onc
 pick, publishes this replica's counts in its pipeline. A pick then sees the others' load as
 of their last pick, where the periodic calls alone show it up to two intervals old
 (docs/benchmarks/2026-12-07-shared-load.md). A replica whose writes published within the
-last interval skips its periodic call; the calls carry the view, and the liveness below,
-while it sends nothing.
+last interval, with its counts unchanged since, skips its periodic call; the calls carry the
+view, and the liveness below, while it sends nothing. It rides only on a fleet within
+``load_interval_fleet`` (``riding``): a publish per write costs Redis in proportion to the
+backends, which past that size the stretched calls bound. At most one publish of a replica's
+is in flight, and a lookup drops its read if one started since it was sent: Redis then holds
+exactly ``_published`` as this replica's part, so its own load is never counted as the others'.
 
 Liveness: a replica's counts live under its id with its last publish time; one that has
 not published for ``load_ttl_s`` (it died) stops counting then, and its counts are withdrawn
