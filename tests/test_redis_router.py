@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import random
+from collections.abc import AsyncIterator
 from typing import Any
 
 import aiohttp
@@ -14,6 +16,8 @@ from loadtest.sim.fleet import SimFleet
 from router.config import BackendConfig
 from router.fleet.backends import BackendPool
 from router.fleet.shared_load import SharedLoad, start_shared_load
+from router.index.redis_store import RedisIndex
+from router.metrics import RouterMetrics
 from router.redis.breaker import open_link
 from router.redis.settings import RedisConfig
 from tests.helpers import FAST, INDEX_BACKENDS, backends_of, open_index, sample, scrape, total, wait_for
@@ -198,6 +202,28 @@ async def test_an_idle_fleet_is_quiet_and_a_busy_replica_shares_its_load_at_once
                 await link.close()
 
 
+@contextlib.asynccontextmanager
+async def riding_view(
+    server: RedisServer, interval_s: float
+) -> AsyncIterator[tuple[RedisIndex, RouterMetrics, BackendPool]]:
+    """One replica's Redis index with the shared load view riding on it (``load_on_lookup``),
+    its periodic calls every ``interval_s``; the view is closed after."""
+    redis = {
+        "url": server.url,
+        "load_interval_s": interval_s,
+        "load_idle_interval_s": interval_s,
+        "load_ttl_s": 10,
+    }
+    async with open_index(redis) as (index, metrics):
+        pool = BackendPool([BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS])
+        view = start_shared_load(index, pool)
+        assert view is not None
+        try:
+            yield index, metrics, pool
+        finally:
+            await view.close()
+
+
 @pytest.mark.parametrize(("on_lookup", "fleet"), [(True, 32), (False, 32), (True, 2)])
 async def test_a_pick_reaches_another_replicas_next_lookup_with_its_load(on_lookup: bool, fleet: int):
     """``load_on_lookup``: a replica's write after its pick publishes its load, and another
@@ -266,43 +292,32 @@ async def test_a_load_that_fails_beside_a_write_loses_neither_the_write_nor_late
     string), the write still lands and is not counted as dropped, and once the key is right
     again the next write publishes the load."""
     with redis_server() as server:
-        redis = {"url": server.url, "load_interval_s": 1.0, "load_idle_interval_s": 1.0, "load_ttl_s": 10}
-        backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
-        async with open_index(redis) as (index, metrics):
-            pool = BackendPool(backends)
-            view = start_shared_load(index, pool)
-            assert view is not None
-            try:
+        async with riding_view(server, interval_s=1.0) as (index, metrics, pool):
 
-                async def first_call() -> bool:
-                    return server.client().hlen("{kvroute}:loadparts") == 1
+            async def first_call() -> bool:
+                return server.client().hlen("{kvroute}:loadparts") == 1
 
-                await wait_for(first_call, what="the first periodic call")
-                server.client().set("{kvroute}:loadsums", "not a hash")
-                pool["a"].in_flight = 1
-                index.picked("a", [1, 2, 3])
-                await index.flush()
-                assert server.client().zcard("{kvroute}:blocks:a") == 3
-                assert sample(metrics, "kvroute_index_dropped_updates_total", reason="redis_unavailable") == 0
-                assert sample(metrics, "kvroute_redis_errors_total", op="load", kind="response") == 1
-                server.client().delete("{kvroute}:loadsums")
-                index.picked("a", [1, 2, 3, 4])
-                await index.flush()
-                assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
-            finally:
-                await view.close()
+            await wait_for(first_call, what="the first periodic call")
+            server.client().set("{kvroute}:loadsums", "not a hash")
+            pool["a"].in_flight = 1
+            index.picked("a", [1, 2, 3])
+            await index.flush()
+            assert server.client().zcard("{kvroute}:blocks:a") == 3
+            assert sample(metrics, "kvroute_index_dropped_updates_total", reason="redis_unavailable") == 0
+            assert sample(metrics, "kvroute_redis_errors_total", op="load", kind="response") == 1
+            server.client().delete("{kvroute}:loadsums")
+            index.picked("a", [1, 2, 3, 4])
+            await index.flush()
+            assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
 
 
 async def test_a_replica_whose_writes_carry_its_load_skips_its_periodic_calls():
     """Riding on the index, a busy replica publishes with each write; while its writes come
     more often than ``load_interval_s`` its own periodic calls would add nothing, and stop."""
     with redis_server() as server:
-        redis = {"url": server.url, "load_interval_s": 0.05, "load_idle_interval_s": 0.05, "load_ttl_s": 10}
-        backends = [BackendConfig(name=n, url=f"http://127.0.0.1:1/{n}") for n in INDEX_BACKENDS]
-        async with open_index(redis) as (index, _):
-            pool = BackendPool(backends)
-            view = start_shared_load(index, pool)
-            assert view is not None
+        async with riding_view(server, interval_s=0.05) as (index, _, pool):
+            view = index.load_rider
+            assert isinstance(view, SharedLoad)
             calls = 0
             sync_once = view.sync_once
 
@@ -312,18 +327,15 @@ async def test_a_replica_whose_writes_carry_its_load_skips_its_periodic_calls():
                 await sync_once()
 
             view.sync_once = counted  # type: ignore[method-assign]
-            try:
-                pool["a"].in_flight = 1  # busy: the periodic calls go on
-                await asyncio.sleep(0.5)
-                assert calls >= 5
-                calls = 0
-                for i in range(50):  # a write every 10 ms, each carrying the load
-                    index.picked("a", [i + 1])
-                    await asyncio.sleep(0.01)
-                assert calls <= 1
-                assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
-            finally:
-                await view.close()
+            pool["a"].in_flight = 1  # busy: the periodic calls go on
+            await asyncio.sleep(0.5)
+            assert calls >= 5
+            calls = 0
+            for i in range(50):  # a write every 10 ms, each carrying the load
+                index.picked("a", [i + 1])
+                await asyncio.sleep(0.01)
+            assert calls <= 1
+            assert server.client().hget("{kvroute}:loadsums", "n/a") == b"1"
 
 
 async def test_a_larger_fleet_shares_its_load_less_often_but_well_within_the_ttl():
