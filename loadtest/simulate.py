@@ -312,6 +312,10 @@ class _Replica:
     def own_load(self, name: str) -> tuple[int, int, int]:
         return self.in_flight[name], self.pending_prefill[name], self.prefilling[name]
 
+    def own(self) -> dict[str, tuple[int, int, int]]:
+        """Its counts per backend, as it would publish them (``SharedLoad._own``)."""
+        return {name: self.own_load(name) for name in self.in_flight}
+
     def backend(self, name: str, matched_blocks: int) -> BackendView:
         """A backend as this replica's policy sees it: its own counts plus the others' (as
         ``Backend.own_load`` + ``Backend.set_remote_load`` add them live)."""
@@ -330,7 +334,7 @@ class _Replica:
         and its own counts published as they are."""
         if any(self.in_flight.values()) or any(count for count, _, _ in self.others.values()):
             return False
-        return all(self.published.get(name) == self.own_load(name) for name in self.in_flight)
+        return self.published == self.own()
 
 
 def _summed(loads: Iterable[tuple[int, int, int]]) -> tuple[int, int, int]:
@@ -357,6 +361,13 @@ class Simulation:
             for number, policy in enumerate(policies)
         ]
         self._load_view = model.load_view()
+        #: The interval of each replica's calls, and whether the view rides on lookups and
+        #: writes (``SharedLoad.riding``: only on a fleet within ``load_interval_fleet``, where
+        #: the interval is not stretched); both fixed for a run.
+        self._interval = self._load_view.load_interval(len(self.replicas), len(self.names))
+        self._riding = (
+            model.load_on_lookup and len(self.replicas) > 1 and self._interval <= model.load_interval_s
+        )
         self._reasons: dict[int, str] = {}
         self.outcomes: dict[int, Outcome] = {}
         #: Requests without an outcome yet: the replicas share their load while there are any.
@@ -375,10 +386,9 @@ class Simulation:
             )
         if len(self.replicas) > 1:
             # Live replicas start at unrelated instants: spread their calls over one interval.
-            interval = self._load_view.load_interval(len(self.replicas), len(self.names))
             for replica in self.replicas:
                 self.schedule(
-                    replica.number * interval / len(self.replicas),
+                    replica.number * self._interval / len(self.replicas),
                     lambda now, replica=replica: self._share_load(replica, now),
                 )
         while self._events:
@@ -391,26 +401,16 @@ class Simulation:
         counts and read the others' last published ones, then come back one interval later."""
         if not self._open:
             return
-        view = self._load_view
-        interval = view.load_interval(len(self.replicas), len(self.names))
         since = now - replica.last_call
         # A write published it lately, and nothing changed since (``SharedLoad._run``).
-        own = {name: replica.own_load(name) for name in self.names}
-        ridden = self._riding() and since < interval and replica.published == own
-        if not ridden and (since >= view.load_idle_interval_s or not replica.idle()):
+        ridden = self._riding and since < self._interval and replica.published == replica.own()
+        if not ridden and (since >= self._load_view.load_idle_interval_s or not replica.idle()):
             self._publish(replica, now)
-        self.schedule(now + interval, lambda t: self._share_load(replica, t))
-
-    def _riding(self) -> bool:
-        """As ``SharedLoad.riding``: the view rides on lookups and writes only on a fleet
-        within ``load_interval_fleet``, where the interval is not stretched."""
-        view = self._load_view
-        unstretched = view.load_interval(len(self.replicas), len(self.names)) <= view.load_interval_s
-        return self.model.load_on_lookup and len(self.replicas) > 1 and unstretched
+        self.schedule(now + self._interval, lambda t: self._share_load(replica, t))
 
     def _publish(self, replica: _Replica, now: float) -> None:
         """One LOAD call: publish the replica's counts, read the others' last published sums."""
-        replica.published = {name: replica.own_load(name) for name in self.names}
+        replica.published = replica.own()
         self._read(replica)
         replica.last_call = now
 
@@ -436,7 +436,7 @@ class Simulation:
             stream=True,
             chain=chain,
         )
-        riding = self._riding()
+        riding = self._riding
         if riding and uses_index:
             self._read(replica)  # the lookup's round trip reads the fleet's sums
         backends = [replica.backend(name, matches.get(name, 0)) for name in self.names]

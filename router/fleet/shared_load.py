@@ -148,7 +148,6 @@ class SharedLoad:
             )
         }
         self._set_others(others)
-        self._export()
 
     def publish_failed(self) -> None:
         """The publish in flight did not go through (or its outcome is unknown): the next may."""
@@ -156,10 +155,13 @@ class SharedLoad:
 
     def sums_read(self) -> SumsRead | None:
         """What a lookup should read of the fleet's sums (None: nothing, while this replica's
-        own part in Redis is in doubt, a publish being in flight, or when not ``riding``)."""
+        own part in Redis is in doubt, a publish being in flight, when not ``riding``, or with
+        no backends to read)."""
         if not self.riding() or not self._quiet.is_set():
             return None
         names = tuple(backend.name for backend in self.pool)
+        if not names:
+            return None
         if names != self._fields[0]:
             self._fields = (names, [f"{kind}/{name}" for name in names for kind in "ntr"])
         return SumsRead(self.keys.load_sums, self._fields[1], self._publishes)
@@ -191,7 +193,8 @@ class SharedLoad:
             backend.set_remote_load(count, tokens, requests)
 
     def _export(self) -> None:
-        """The others' in-flight counts as gauges: on each call, not on each lookup."""
+        """The others' in-flight counts as gauges: once an interval (``_run``), not on each
+        lookup or write that changes them."""
         for backend in self.pool:
             self.link.metrics.others_in_flight.labels(backend.name).set(backend.remote_in_flight)
 

@@ -147,14 +147,12 @@ class RedisIndex(PrefixIndex):
             args: list[object] = [self.eviction, self._belief_ttl_ms, pack_chain(chain)]
             rider = self.load_rider
             read = rider.sums_read() if rider is not None else None
-            if read is not None and read.fields:
+            if read is not None:
                 # The fleet's load sums come back with the depths: the pick that follows sees
                 # every other replica's load as they last published it (at their last write,
                 # so their last pick), not as of this replica's last periodic call.
                 keys.append(read.key)
                 args += [len(read.fields), *read.fields]
-            else:
-                read = None
             try:
                 reply = await self.link.call(
                     "match", partial(_MATCH, self.link.client, keys, args), self.config.timeout_ms / 1000
@@ -228,8 +226,7 @@ class RedisIndex(PrefixIndex):
         write = partial(_RECORD, client, keys, args)
         rider = self.load_rider
         # Only while the link is up: then the call runs the write, which reports the publish's end.
-        riding = rider is not None and rider.riding() and self.link.up
-        load = rider.publish_call() if rider is not None and riding else None
+        load = rider.publish_call() if rider is not None and rider.riding() and self.link.up else None
         if rider is not None and load is not None:
             write = partial(self._record_and_publish_load, rider, load, keys, args)
         try:
