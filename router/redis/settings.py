@@ -96,7 +96,8 @@ class RedisConfig:
     #: so a pick sees the others' load as of their last pick rather than one or two intervals
     #: old. Each lookup's script also reads the fleet's sums (the same round trip), and each
     #: write, which leaves at once after a pick, also publishes this router's counts (a LOAD
-    #: call in its pipeline: Redis time in proportion to the backends, per write batch).
+    #: call in its pipeline: Redis time in proportion to the backends, per write batch). Only
+    #: within ``load_interval_fleet`` replicas x backends; past it the periodic calls alone.
     load_on_lookup: bool = True
     #: Replicas x backends up to which ``load_interval_s`` holds; on a larger fleet each replica
     #: stretches its interval in proportion (x2 at twice this, at most a third of
