@@ -20,3 +20,21 @@ def test_bench_shared_load_prints_redis_time_per_call_by_fleet(capsys):
     assert [r[4] for r in rows] == ["10", "15"]
     # The same work every 10-15 ms takes several times the share it takes every 100 ms.
     assert all(float(r[5]) > 5 * float(r[6]) for r in rows)
+
+
+def test_bench_shared_load_picks_counts_what_the_view_adds_to_each_pick(capsys):
+    assert main(["--picks", "--fleets", "2x2,3x16", "--calls", "20"]) == 0
+    out = capsys.readouterr().out
+    rows = re.findall(
+        r"^(\d+ x \d+)\s+(yes|no)\s+(\d+) / (\d+)\s+([\d,]+) µs\s+([\d,]+) µs\s+(-?[\d.]+)%\s+([\d.]+)%$",
+        out,
+        re.MULTILINE,
+    )
+    assert [row[:4] for row in rows] == [
+        # Within load_interval_fleet the lookup reads the sums inside its script, and the
+        # write's pipeline publishes the replica's counts: one more script per pick.
+        ("2 x 2", "yes", "2", "3"),
+        # 3 x 16 is past it: neither lookups nor writes carry the view.
+        ("3 x 16", "no", "2", "2"),
+    ], out
+    assert all(int(row[4].replace(",", "")) > 0 and int(row[5].replace(",", "")) > 0 for row in rows)
