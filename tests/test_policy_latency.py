@@ -79,8 +79,37 @@ def test_the_cost_adds_the_gap_the_queue_the_batch_and_the_load() -> None:
     policy = Latency({"queue_weight": 0.5, "load_tokens": 10.0, "decode_weight": 2.0}, seed=0)
     backend = bv("a", matched=4, load=3, pending=1000, prefilling=1)
     # gap (8 - 4) x 64 + 0.5 x 1000 + 2 x 100 x 2 decoding + 10 x 3
-    assert policy.cost(req(), backend, deepest=8, discount=1.0) == 256 + 500 + 400 + 30
-    assert policy.cost(req(), backend, deepest=8, discount=0.25) == 64 + 500 + 400 + 30
+    assert policy.cost(req(), backend, deepest=8, discount=1.0, queue_weight=0.5) == 256 + 500 + 400 + 30
+    assert policy.cost(req(), backend, deepest=8, discount=0.25, queue_weight=0.5) == 64 + 500 + 400 + 30
+
+
+def test_a_queue_weighs_more_where_most_prefill_lanes_are_idle() -> None:
+    policy = Latency({"queue_weight": 0.06, "idle_queue_weight": 1.0}, seed=0)
+    busy, idle = bv("busy", pending=100, prefilling=1), bv("idle")
+    assert policy.queue_weight([busy] * 8) == pytest.approx(0.06)
+    assert policy.queue_weight([idle] * 8) == pytest.approx(1.06)
+    assert policy.queue_weight([busy] * 4 + [idle] * 4) == pytest.approx(0.06 + 0.5**3)
+    assert policy.queue_weight([busy] + [idle] * 7) == pytest.approx(0.06 + (7 / 8) ** 3)
+    assert Latency({"idle_queue_weight": 0.0}, seed=0).queue_weight([idle] * 8) == pytest.approx(0.06)
+
+
+def test_a_request_leaves_a_queue_for_an_idle_lane_only_on_a_mostly_idle_fleet() -> None:
+    """The holder of 8 of 10 blocks has 2,000 prefill tokens queued; another backend lacks 512
+    tokens of it. With 6 other lanes idle the queue weighs 0.06 + (7/8)^3 = 0.73: 1,460 > 512,
+    the request goes where it can start now. With those lanes busy it weighs 0.06: 120 < 512,
+    it waits at the holder, as the extra prefill would delay what is queued on the others."""
+    policy = Latency({**PLAIN, "queue_weight": 0.06, "idle_queue_weight": 1.0}, seed=0)
+    holder, other = bv("holder", matched=8, pending=2000, prefilling=2), bv("other")
+    quiet = [bv(f"quiet{i}") for i in range(6)]
+    queued = [bv(f"queued{i}", pending=3000, prefilling=3) for i in range(6)]
+    assert policy.choose(req(), [holder, other, *quiet]).backend != "holder"  # an idle lane
+    assert policy.choose(req(), [holder, other, *queued]).backend == "holder"
+    assert (
+        Latency({**PLAIN, "queue_weight": 0.06, "idle_queue_weight": 0.0}, seed=0)
+        .choose(req(), [holder, other, *quiet])
+        .backend
+        == "holder"
+    )
 
 
 def test_a_reused_prefix_is_copied_to_an_idle_backend_and_a_one_off_history_is_not() -> None:

@@ -13,8 +13,19 @@ two of eight idle, as SGLang's ``cache_aware`` does).
 So the estimate here, in prefill-token equivalents (one token of prefill is the unit of time), is::
 
     cost = uncached prompt tokens                      # its own prefill
-         + queue_weight x pending prefill tokens       # the prefill queued ahead of it
+         + queue weight x pending prefill tokens       # the prefill queued ahead of it
          + decode_weight x output x outstanding        # the batch slowdown it suffers and causes
+
+The queue weight is ``queue_weight`` + ``idle_queue_weight`` x (the share of backends with no
+prefill pending)³. A request that leaves its cached prefix for a shorter queue adds its own
+prefill to the fleet's work: on a fleet whose prefill lanes are busy (the Mooncake trace at
+10x) that work delays everyone queued after it, and a heavier weight cost a fifth of the hit
+ratio there, so the weight stays low (0.06). But where most lanes are idle, a queue is a wait
+the request need not have, and the lanes that would take its extra prefill have nothing
+queued behind them: chat traffic at 20x waited 2-4 ms a request on the low weight alone. The
+cube leaves the weight at ``queue_weight`` until most lanes are idle (half idle adds an
+eighth of ``idle_queue_weight``); with one, chat's TTFT p99 at 20x moved both ways from seed to
+seed, and with four the mean gained less (docs/benchmarks/2026-12-07-routing-at-head.md).
 
 ``output`` is the request's ``max_tokens`` capped at ``output_cap`` (``default_output`` when
 it gave none): the steps it will spend in that batch. ``decode_weight`` is the prefill
@@ -58,11 +69,17 @@ from policies.routing.base import RoutingPolicy
 from policies.scoring import match_reason
 from policies.types import BackendView, Decision, RequestView, Warmup
 
+#: The power of the idle share in the queue weight: a cube adds little until most lanes are idle.
+IDLE_SHARE_POWER = 3
+
 
 @dataclass(frozen=True)
 class LatencyParams:
     #: Weight of the prefill already pending on a backend (sent, no first byte yet).
     queue_weight: NonNegativeFloat = 0.06
+    #: Added to ``queue_weight`` as the cube of the share of backends with no prefill pending:
+    #: a queue weighs more where most prefill lanes are idle (0 turns it off).
+    idle_queue_weight: NonNegativeFloat = 1.0
     #: Prefill tokens one outstanding request is worth, whatever its phase (as in ``cost``).
     load_tokens: NonNegativeFloat = 64.0
     #: Prefill tokens one more member of a decode batch costs per output token (own + imposed).
@@ -125,16 +142,24 @@ class Latency(RoutingPolicy):
         if len(self._reuse) > self.params.reuse_entries:
             self._reuse.popitem(last=False)
 
-    def cost(self, request: RequestView, backend: BackendView, deepest: int, discount: float) -> float:
+    def queue_weight(self, backends: Sequence[BackendView]) -> float:
+        """The weight of the prefill pending on a backend, for a fleet whose backends are
+        ``backends``: higher where most prefill lanes are idle (the module's docstring)."""
+        idle = sum(1 for b in backends if not b.pending_prefill_requests) / len(backends)
+        return self.params.queue_weight + self.params.idle_queue_weight * idle**IDLE_SHARE_POWER
+
+    def cost(
+        self, request: RequestView, backend: BackendView, deepest: int, discount: float, queue_weight: float
+    ) -> float:
         """Latency ``request`` costs on ``backend`` (its own and others'), in prefill-token equivalents.
 
         Only what differs between backends counts: the part of the deepest match this backend
         lacks (discounted when that prefix is being reused: a copy made now serves the next
-        ones too), the prefill queued there, and its load.
+        ones too), the prefill queued there (``queue_weight``), and its load.
         """
         p = self.params
         gap = (deepest - backend.matched_blocks) * request.block_tokens * discount
-        queued = p.queue_weight * backend.pending_prefill_tokens
+        queued = queue_weight * backend.pending_prefill_tokens
         batch = p.decode_weight * self.output_tokens(request) * backend.decoding
         return gap + queued + batch + p.load_tokens * backend.load
 
@@ -160,7 +185,8 @@ class Latency(RoutingPolicy):
             discount = 1.0 / (1.0 + self.params.reuse_weight * self.reuse(block))
             self._count(block)
         self._routed += 1
-        costs = {b.name: self.cost(request, b, deepest, discount) for b in backends}
+        weight = self.queue_weight(backends)
+        costs = {b.name: self.cost(request, b, deepest, discount, weight) for b in backends}
         chosen = self.pick_min(backends, lambda b: (costs[b.name], b.cached_blocks))
         warmup = None
         if chosen.matched_blocks == 0 and 0 < self.params.warmup_blocks <= deepest:
