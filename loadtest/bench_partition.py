@@ -30,7 +30,9 @@ classifier has little left to place (on the ``chat`` workload nearly everything 
 Prefill is counted as uncached prompt tokens (the decode, which both pools share alike, is
 left out). The second table is what an actual classifier could see when a prompt arrives:
 the share of requests whose new blocks are used again, by whether the prompt continues an
-earlier one and by its length.
+earlier one and by its length. The third is the other lever, which is the engines' and not
+the router's: the pooled cache under other evictions than LRU (loadtest/evictions.py), up to
+Belady's.
 """
 
 from __future__ import annotations
@@ -42,9 +44,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from loadtest.evictions import ARC, LRU, PooledCache, WTinyLFU, hit_ratio
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table
 from loadtest.sim.cache import PrefixCache
+from loadtest.simulate import belady_hit_ratio
 from loadtest.trace import DEFAULT_TRACE, TraceError, TraceRequest, read_trace
 
 
@@ -151,6 +155,23 @@ def observable_signals(
     return rows
 
 
+def eviction_rows(
+    requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int
+) -> list[list[object]]:
+    """(eviction, hit ratio, x LRU) rows for one cache of ``capacity_blocks``: the fleet pooled."""
+    chains = [r.chain(block_tokens) for r in requests]
+    tokens = [r.input_tokens for r in requests]
+    caches: dict[str, PooledCache] = {
+        "LRU (the pooled-LRU bound)": LRU(capacity_blocks),
+        "ARC": ARC(capacity_blocks),
+        "W-TinyLFU, 1 % window": WTinyLFU(capacity_blocks, window=0.01),
+    }
+    ratios = {name: hit_ratio(cache, chains, tokens, block_tokens) for name, cache in caches.items()}
+    ratios["Belady (clairvoyant)"] = belady_hit_ratio(chains, tokens, capacity_blocks, block_tokens)
+    lru = ratios["LRU (the pooled-LRU bound)"]
+    return [[name, f"{r:.1%}", f"{r / lru:.2f}x" if lru else "-"] for name, r in ratios.items()]
+
+
 def _length_class(tokens: int) -> str:
     return "< 8k tokens" if tokens < 8192 else "8k-32k tokens" if tokens < 32768 else ">= 32k tokens"
 
@@ -229,6 +250,13 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         format_table(
             ["prompt", "length", "requests", "reused later"],
             observable_signals(requests, args.block_tokens, keep),
+        )
+    )
+    print("\nthe fleet's memory as one cache under other evictions (the engines' lever, not placement)")
+    print(
+        format_table(
+            ["eviction", "hit ratio", "x LRU"],
+            eviction_rows(requests, args.engines * args.capacity // args.block_tokens, args.block_tokens),
         )
     )
     return 0

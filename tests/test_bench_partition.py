@@ -89,7 +89,7 @@ def test_no_scratch_engine_is_the_pooled_lru_bound_that_simulate_prints():
     assert pooled.hit_ratio == pytest.approx(bounds(requests, model).pooled_lru_hit_ratio)
 
 
-def test_the_command_prints_both_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_the_command_prints_all_three_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     trace = tmp_path / "trace.jsonl"
     trace.write_bytes(
         b"\n".join(
@@ -120,6 +120,7 @@ def test_the_command_prints_both_tables(tmp_path: Path, capsys: pytest.CaptureFi
     out = capsys.readouterr().out
     assert "0 (pooled LRU)" in out and "x pooled LRU" in out
     assert "continues an earlier prompt" in out and "reused later" in out
+    assert "LRU (the pooled-LRU bound)" in out and "W-TinyLFU" in out and "Belady (clairvoyant)" in out
 
 
 @pytest.mark.parametrize(
