@@ -32,7 +32,9 @@ left out). The second table is what an actual classifier could see when a prompt
 the share of requests whose new blocks are used again, by whether the prompt continues an
 earlier one and by its length. The third is the other lever, which is the engines' and not
 the router's: the pooled cache under other evictions than LRU (loadtest/evictions.py), up to
-Belady's.
+Belady's. The fourth is the one hold a router has on an LRU engine's eviction: keeping the
+prefixes that came back alive by asking for them again, every ``--refresh-periods`` seconds
+of trace time, with at most ``--kept-shares`` of the capacity kept (``refreshed_lru``).
 """
 
 from __future__ import annotations
@@ -44,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from loadtest.evictions import ARC, LRU, PooledCache, WTinyLFU, hit_ratio
+from loadtest.evictions import ARC, LRU, PooledCache, WTinyLFU, hit_ratio, refreshed_lru
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.report import format_table
 from loadtest.sim.cache import PrefixCache
@@ -172,6 +174,36 @@ def eviction_rows(
     return [[name, f"{r:.1%}", f"{r / lru:.2f}x" if lru else "-"] for name, r in ratios.items()]
 
 
+def refresh_rows(
+    requests: Sequence[TraceRequest],
+    capacity_blocks: int,
+    block_tokens: int,
+    periods: Sequence[float],
+    shares: Sequence[float],
+) -> list[list[object]]:
+    """(period, kept share, hit ratio, x LRU, refreshes a request) rows of ``refreshed_lru``."""
+    lru = hit_ratio(
+        LRU(capacity_blocks),
+        [r.chain(block_tokens) for r in requests],
+        [r.input_tokens for r in requests],
+        block_tokens,
+    )
+    rows: list[list[object]] = []
+    for period in periods:
+        for share in shares:
+            run = refreshed_lru(requests, capacity_blocks, block_tokens, period, share)
+            rows.append(
+                [
+                    f"{period:g} s",
+                    f"{share:.0%}",
+                    f"{run.hit_ratio:.1%}",
+                    f"{run.hit_ratio / lru:.2f}x" if lru else "-",
+                    f"{run.refreshes / len(requests):.2f}",
+                ]
+            )
+    return rows
+
+
 def _length_class(tokens: int) -> str:
     return "< 8k tokens" if tokens < 8192 else "8k-32k tokens" if tokens < 32768 else ">= 32k tokens"
 
@@ -204,9 +236,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
     parser.add_argument(
         "--caps", default="1,1.2,none", help="scratch prefill caps, over its share of engines (none: no cap)"
     )
+    parser.add_argument(
+        "--refresh-periods", default="10,20,30", help="trace seconds between refreshes of a kept prefix"
+    )
+    parser.add_argument(
+        "--kept-shares", default="0.25,0.5,0.75", help="most of the capacity kept prefixes hold"
+    )
     args = parser.parse_args(argv)
     try:
         caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
+        periods = [float(p) for p in args.refresh_periods.split(",")]
+        shares = [float(k) for k in args.kept_shares.split(",")]
+        if any(p <= 0 for p in periods) or any(not 0 < k <= 1 for k in shares):
+            raise ValueError("need --refresh-periods > 0 and --kept-shares in (0, 1]")
         if args.engines < 2 or args.capacity < args.block_tokens or args.block_tokens < 1:
             raise ValueError("need --engines >= 2 and --capacity >= --block-tokens >= 1")
         requests = read_trace(args.trace, minutes=args.minutes)
@@ -252,11 +294,19 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
             observable_signals(requests, args.block_tokens, keep),
         )
     )
+    pooled_blocks = args.engines * args.capacity // args.block_tokens
     print("\nthe fleet's memory as one cache under other evictions (the engines' lever, not placement)")
     print(
         format_table(
             ["eviction", "hit ratio", "x LRU"],
-            eviction_rows(requests, args.engines * args.capacity // args.block_tokens, args.block_tokens),
+            eviction_rows(requests, pooled_blocks, args.block_tokens),
+        )
+    )
+    print("\nthe same LRU cache, its returning prefixes kept alive by the router asking for them again")
+    print(
+        format_table(
+            ["refresh period", "kept share", "hit ratio", "x LRU", "refreshes a request"],
+            refresh_rows(requests, pooled_blocks, args.block_tokens, periods, shares),
         )
     )
     return 0

@@ -89,7 +89,7 @@ def test_no_scratch_engine_is_the_pooled_lru_bound_that_simulate_prints():
     assert pooled.hit_ratio == pytest.approx(bounds(requests, model).pooled_lru_hit_ratio)
 
 
-def test_the_command_prints_all_three_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+def test_the_command_prints_all_four_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
     trace = tmp_path / "trace.jsonl"
     trace.write_bytes(
         b"\n".join(
@@ -121,6 +121,7 @@ def test_the_command_prints_all_three_tables(tmp_path: Path, capsys: pytest.Capt
     assert "0 (pooled LRU)" in out and "x pooled LRU" in out
     assert "continues an earlier prompt" in out and "reused later" in out
     assert "LRU (the pooled-LRU bound)" in out and "W-TinyLFU" in out and "Belady (clairvoyant)" in out
+    assert "refreshes a request" in out
 
 
 @pytest.mark.parametrize(
@@ -128,6 +129,8 @@ def test_the_command_prints_all_three_tables(tmp_path: Path, capsys: pytest.Capt
     [
         (["--caps", "lots"], "could not convert"),
         (["--engines", "1"], "--engines >= 2"),
+        (["--kept-shares", "2"], "--kept-shares in (0, 1]"),
+        (["--refresh-periods", "0"], "--refresh-periods > 0"),
         (["--minutes", "0"], "no requests"),
     ],
 )

@@ -1,4 +1,5 @@
-"""loadtest/evictions.py: the pooled cache under ARC and W-TinyLFU, against LRU and Belady's bound."""
+"""loadtest/evictions.py: the pooled cache under ARC, W-TinyLFU and a router's refreshes, against LRU
+and Belady's bound."""
 
 from __future__ import annotations
 
@@ -6,8 +7,9 @@ import random
 
 import pytest
 
-from loadtest.evictions import ARC, LRU, WTinyLFU, hit_ratio
+from loadtest.evictions import ARC, LRU, WTinyLFU, hit_ratio, refreshed_lru
 from loadtest.simulate import belady_hit_ratio
+from loadtest.trace import TRACE_BLOCK_TOKENS, TraceRequest
 
 BLOCK = 16
 
@@ -58,3 +60,42 @@ def test_a_request_hits_only_its_leading_cached_blocks():
 def test_impossible_sizes_are_refused(make):
     with pytest.raises(ValueError):
         make()
+
+
+def _conversation_among_scans(turns: int) -> list[TraceRequest]:
+    """A conversation growing by a block a turn, a turn every 10 s, each followed by four
+    one-shot prompts of two fresh blocks, one a second: eight new blocks between turns, which
+    push the whole history out of an LRU of eight blocks."""
+    requests, fresh = [], 1000
+    for turn in range(turns):
+        at = 10.0 * turn
+        requests.append(TraceRequest(at, (turn + 3) * TRACE_BLOCK_TOKENS + 1, 1, tuple(range(turn + 3))))
+        for scan in range(1, 5):
+            requests.append(TraceRequest(at + scan, 2 * TRACE_BLOCK_TOKENS + 1, 1, (fresh, fresh + 1)))
+            fresh += 2
+    return requests
+
+
+def test_refreshes_keep_a_returning_conversation_through_the_scans_that_flush_lru():
+    requests = _conversation_among_scans(turns=6)
+    chains = [r.chain(TRACE_BLOCK_TOKENS) for r in requests]
+    lru = hit_ratio(LRU(8), chains, [r.input_tokens for r in requests], TRACE_BLOCK_TOKENS)
+    refreshed = refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, period_s=1.0, kept_share=1.0)
+    assert lru == 0.0
+    # The second turn makes the history it found (the first turn's blocks) a kept prefix, and
+    # each turn after it hits the prefix its predecessor found: turn + 1 blocks from the third on
+    # (a turn's own newest block is kept only once the next turn has come back to it).
+    hit_blocks = sum(turn + 1 for turn in range(2, 6))
+    queried = sum(r.input_tokens for r in requests)
+    assert refreshed.hit_ratio == pytest.approx(hit_blocks * TRACE_BLOCK_TOKENS / queried)
+    assert refreshed.refreshes > 0
+
+
+@pytest.mark.parametrize(
+    ("period_s", "kept_share"),
+    [(100.0, 1.0), (1.0, 2 / 8)],
+    ids=["no refresh before the scans flush it", "too small a share to keep a history"],
+)
+def test_without_a_timely_refresh_or_room_to_keep_it_is_lru(period_s: float, kept_share: float):
+    requests = _conversation_among_scans(turns=6)
+    assert refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, period_s, kept_share).hit_ratio == 0.0
