@@ -151,6 +151,8 @@ def _simulate(args: argparse.Namespace) -> int:
             load_interval_s=args.load_interval_s,
             belief_delay_s=args.belief_delay_s,
             load_on_lookup=args.load_on_lookup,
+            refresh_share=args.refresh_share,
+            kept_share=args.kept_share,
             timing=EngineTiming(prefill_per_token_s=args.prefill_per_token_s),
         )
     except ValueError as exc:
@@ -353,6 +355,20 @@ def build_parser() -> argparse.ArgumentParser:
         help="with --replicas: from a replica's pick until the others' lookups see it (0.005 as the "
         "belief stream of lookup: local; about 0.001 for lookup: shared); the idle interval is "
         "--sweep load_idle_interval_s=...",
+    )
+    simulate.add_argument(
+        "--refresh-share",
+        type=float,
+        default=0.0,
+        help="a model, not yet in the router: keep prefixes that came back alive by asking for them "
+        "again once this share of their engine's turnover passed without a request for them "
+        "(policies/retention.py; 0: off)",
+    )
+    simulate.add_argument(
+        "--kept-share",
+        type=float,
+        default=0.5,
+        help="with --refresh-share: the most of each engine's capacity the kept prefixes hold",
     )
     simulate.add_argument(
         "--minutes", type=float, help="replay only the trace's first minutes (default: all)"

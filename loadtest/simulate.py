@@ -57,13 +57,17 @@ from loadtest.sim.cache import PrefixCache
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import TraceError, TraceRequest, read_trace, spread_arrivals
 from policies.eviction import block_set_factory
+from policies.retention import Keeper
 from policies.routing import PolicyLoadError, build_policy
 from policies.routing.base import RoutingPolicy
-from policies.types import BackendView, RequestView, Warmup
+from policies.types import BackendView, RequestView
 from policies.types import Outcome as AttemptOutcome
 from router.index import MemoryIndex
 from router.redis.settings import RedisConfig
 from router.request_path.beliefs import ClosedLoop, Prediction
+
+#: How often the keeper looks for refreshes due, in the simulation's seconds.
+KEEPER_CHECK_S = 0.1
 
 
 @dataclass(frozen=True)
@@ -106,6 +110,12 @@ class FleetModel:
     #: others' load as they last published it, and the write that follows each pick (its
     #: belief, ``belief_delay_s`` later) also publishes the replica's counts.
     load_on_lookup: bool = False
+    #: A model of a router that keeps returning prefixes alive by asking for them again
+    #: (policies/retention.py; not in the router yet): a kept prefix is refreshed once this
+    #: share of its engine's turnover passed without a request for it (0: off), and kept
+    #: prefixes hold at most ``kept_share`` of each engine's capacity.
+    refresh_share: float = 0.0
+    kept_share: float = 0.5
 
     def __post_init__(self) -> None:
         if self.engines < 1 or self.capacity_tokens < self.block_tokens:
@@ -121,6 +131,10 @@ class FleetModel:
             raise ValueError("load_interval_s and load_idle_interval_s must be positive")
         if self.replicas > 1 and self.closed_loop:
             raise ValueError("the closed loop is modelled for one router, not for replicas")
+        if self.refresh_share < 0 or not 0 < self.kept_share <= 1:
+            raise ValueError("refresh_share must be >= 0 and kept_share in (0, 1]")
+        if self.refresh_share and self.replicas > 1:
+            raise ValueError("the keeper is modelled for one router, not for replicas")
         problems = self.load_view().validate()
         if problems:
             raise ValueError("; ".join(problems))
@@ -372,8 +386,17 @@ class Simulation:
         self.outcomes: dict[int, Outcome] = {}
         #: Requests without an outcome yet: the replicas share their load while there are any.
         self._open = 0
-        #: Warm-ups sent (``Decision.warmup``); each is a job of negative index.
+        #: Warm-ups sent (``Decision.warmup``, and the keeper's refreshes); each is a job of
+        #: negative index.
         self.warmups = 0
+        capacity_blocks = model.capacity_tokens // model.block_tokens
+        #: Blocks the keeper remembers as asked for: four times the fleet's memory.
+        seen_blocks = 4 * model.engines * capacity_blocks
+        self.keeper = (
+            Keeper(model.refresh_share, model.kept_share, capacity_blocks, seen_blocks)
+            if model.refresh_share
+            else None
+        )
 
     def schedule(self, at: float, action: Callable[[float], None]) -> None:
         heapq.heappush(self._events, (at, next(self._seq), action))
@@ -384,6 +407,8 @@ class Simulation:
             self.schedule(
                 request.arrival_s / self.model.speedup, lambda now, i=i: self._arrive(requests[i], i)
             )
+        if self.keeper is not None:
+            self.schedule(KEEPER_CHECK_S, self._refresh)
         if len(self.replicas) > 1:
             # Live replicas start at unrelated instants: spread their calls over one interval.
             for replica in self.replicas:
@@ -407,6 +432,32 @@ class Simulation:
         if not ridden and (since >= self._load_view.load_idle_interval_s or not replica.idle()):
             self._publish(replica, now)
         self.schedule(now + self._interval, lambda t: self._share_load(replica, t))
+
+    def _refresh(self, now: float) -> None:
+        """The keeper's turn: send the refreshes due, as warm-ups, then come back a period later."""
+        if not self._open or self.keeper is None:
+            return
+        replica = self.replicas[0]
+
+        def held(backend: str, prefix: Sequence[int]) -> bool:
+            return replica.index.match_now(list(prefix)).get(backend, 0) >= len(prefix)
+
+        for backend, prefix in self.keeper.due(now, held):
+            chain = list(prefix)
+            tokens = len(chain) * self.model.block_tokens + 1
+            view = RequestView(
+                model="trace",
+                tenant="default",
+                session_key=None,
+                prompt_tokens=tokens,
+                block_count=len(chain),
+                block_tokens=self.model.block_tokens,
+                max_tokens=1,
+                stream=True,
+                chain=chain,
+            )
+            self._warm(replica, backend, chain, view)
+        self.schedule(now + KEEPER_CHECK_S, self._refresh)
 
     def _publish(self, replica: _Replica, now: float) -> None:
         """One LOAD call: publish the replica's counts, read the others' last published sums."""
@@ -471,8 +522,10 @@ class Simulation:
                 )
             self._believe(replica, decision.backend, chain)
         self._submit(job)
+        if self.keeper is not None and uses_index and chain:
+            self.keeper.observe(decision.backend, chain, matches.get(decision.backend, 0), self.now)
         if decision.warmup is not None and uses_index:
-            self._warm(replica, decision.warmup, chain, view)
+            self._warm(replica, decision.warmup.backend, chain[: decision.warmup.blocks], view)
         if riding and uses_index and chain:
             # The pick's write leaves at once and carries the replica's counts.
             self.schedule(self.now + model.belief_delay_s, lambda now: self._publish(replica, now))
@@ -494,28 +547,27 @@ class Simulation:
         replica.prefilling[job.backend] += 1
         self.engines[job.backend].submit(job, self.now)
 
-    def _warm(self, replica: _Replica, warmup: Warmup, chain: list[int], view: RequestView) -> None:
-        """The router's warm-up: the prompt's first ``warmup.blocks`` blocks, one output token,
+    def _warm(self, replica: _Replica, backend: str, prefix: list[int], view: RequestView) -> None:
+        """The router's warm-up (or refresh): ``prefix`` and one output token to ``backend``,
         believed at the pick like any request; it has no outcome of its own."""
         self.warmups += 1
         block_tokens = self.model.block_tokens
-        prefix = chain[: warmup.blocks]
         prompt_tokens = len(prefix) * block_tokens + 1
-        matched = replica.index.match_now(prefix).get(warmup.backend, 0)
+        matched = replica.index.match_now(prefix).get(backend, 0)
         job = _Job(
             index=-self.warmups,
             arrival=self.now,
             prompt_tokens=prompt_tokens,
             output_tokens=1,
             chain=prefix,
-            backend=warmup.backend,
+            backend=backend,
             replica=replica,
             view=view,
             kv_blocks=-(-(prompt_tokens + 1) // self.model.timing.block_tokens),
             predicted_blocks=matched,
             pending_tokens=prompt_tokens - matched * block_tokens,
         )
-        self._believe(replica, warmup.backend, prefix)
+        self._believe(replica, backend, prefix)
         self._submit(job)
 
     def first_token(self, job: _Job) -> None:
@@ -589,6 +641,8 @@ class Summary:
     belief_accuracy: float
     reasons: dict[str, int]
     wall_s: float
+    #: The keeper's refreshes (``FleetModel.keep_period_s``), over the requests.
+    refreshes_per_request: float | None = None
 
 
 def summarize(outcomes: Sequence[Outcome], engines: int, wall_s: float = 0.0) -> Summary:
@@ -628,8 +682,12 @@ def simulate(
     # Replica 0 keeps ``seed``, so one router replays as before; the others' seeds stay apart
     # from any other run's (seed 1's replica 1 is not seed 2's replica 0).
     policies = [build_policy(policy, params, seed=seed + 1000 * number) for number in range(model.replicas)]
-    outcomes = Simulation(model, policies).run(requests)
-    return outcomes, summarize(outcomes, model.engines, time.perf_counter() - started)
+    simulation = Simulation(model, policies)
+    outcomes = simulation.run(requests)
+    summary = summarize(outcomes, model.engines, time.perf_counter() - started)
+    if simulation.keeper is not None and requests:
+        summary = replace(summary, refreshes_per_request=simulation.keeper.refreshes / len(requests))
+    return outcomes, summary
 
 
 @dataclass(frozen=True)
@@ -732,6 +790,8 @@ _FLEET_KEYS = (
     "load_idle_interval_s",
     "belief_delay_s",
     "load_on_lookup",
+    "refresh_share",
+    "kept_share",
 )
 
 
@@ -786,6 +846,11 @@ def report(
         )
     headers = ["policy", "run", "hit ratio", "TTFT mean ms", "p50", "p90", "p99", "queue mean ms"]
     headers += ["e2e p50 ms", "max/mean share", "cached/predicted", "refused", "wall s"]
+    if any(s.refreshes_per_request is not None for s in summaries):
+        headers.append("refreshes/request")
+        for row, summary in zip(rows, summaries, strict=True):
+            refreshes = summary.refreshes_per_request
+            row.append(_figure(math.nan if refreshes is None else refreshes, ".2f"))
     if not any(label for _, label, _, _ in runs):
         headers.pop(1)
         rows = [row[:1] + row[2:] for row in rows]

@@ -349,6 +349,38 @@ def test_the_fleet_model_refuses_replicas_it_cannot_model() -> None:
         FleetModel(replicas=2, closed_loop=True)
     with pytest.raises(ValueError, match="load_ttl_s"):
         FleetModel(replicas=2, load_interval_s=5.0)
+    with pytest.raises(ValueError, match="keeper is modelled for one router"):
+        FleetModel(replicas=2, refresh_share=0.25)
+
+
+def _conversation_among_scans(turns: int) -> list[TraceRequest]:
+    """A conversation growing by a 512-token block a turn, a turn every 10 s, each followed by
+    four one-shot prompts of two fresh blocks, one a second: enough to flush an engine of
+    eight blocks between two turns."""
+    requests, fresh = [], 1000
+    for turn in range(turns):
+        at = 10.0 * turn
+        requests.append(req(at, (turn + 3) * 512 - 100, 2, tuple(range(turn + 3))))
+        for scan in range(1, 5):
+            requests.append(req(at + scan, 2 * 512 - 100, 2, (fresh, fresh + 1)))
+            fresh += 2
+    return requests
+
+
+def test_the_keeper_keeps_a_returning_conversation_cached_through_the_scans() -> None:
+    requests = _conversation_among_scans(turns=4)
+    is_turn = [r.hash_ids[0] == 0 for r in requests]
+    off_model = FleetModel(engines=1, capacity_tokens=8 * 512)
+    off_outcomes, off = simulate(requests, off_model, "latency")
+    on_outcomes, on = simulate(requests, replace(off_model, refresh_share=0.2), "latency")
+    assert off.refreshes_per_request is None
+    assert on.refreshes_per_request is not None and on.refreshes_per_request > 0
+    assert on.hit_ratio > 1.5 * off.hit_ratio
+    # Without refreshes the scans flush all but the first block of the history before each
+    # turn; kept alive, the third and fourth turns find more than two blocks of theirs.
+    assert all(o.cached_tokens <= 512 for o, turn in zip(off_outcomes, is_turn, strict=True) if turn)
+    found = [o.cached_tokens for o, turn in zip(on_outcomes, is_turn, strict=True) if turn]
+    assert min(found[2:]) > 2 * 512
 
 
 # --- the command --------------------------------------------------------------------------------
@@ -398,6 +430,13 @@ def test_simulate_command_sweeps_a_policy_parameter(trace_file, capsys) -> None:
     assert "load_tokens=0" in out and "load_tokens=4096" in out
 
 
+def test_simulate_command_sweeps_the_keeper_and_counts_its_refreshes(trace_file, capsys) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--policy", "latency", "--capacity", "20000"]
+    assert main([*args, "--sweep", "refresh_share=0,0.25"]) == 0
+    out = capsys.readouterr().out
+    assert "refresh_share=0.25" in out and "refreshes/request" in out
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [
@@ -411,6 +450,7 @@ def test_simulate_command_sweeps_a_policy_parameter(trace_file, capsys) -> None:
         (["--policy", "cost", "--replicas", "0"], "replicas must be at least 1"),
         (["--policy", "cost", "--spread-s", "-1"], "--spread-s must be >= 0"),
         (["--policy", "cost", "--prefill-per-token-s", "-1"], "prefill_per_token_s must be >= 0"),
+        (["--policy", "cost", "--refresh-share", "0.3", "--kept-share", "2"], "kept_share in (0, 1]"),
     ],
 )
 def test_simulate_command_refuses_bad_arguments(trace_file, capsys, extra, message) -> None:

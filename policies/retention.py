@@ -1,0 +1,146 @@
+"""Keeping the prefixes that come back alive on LRU engines, by asking for them again.
+
+The engines evict least recently used first, and a router cannot change that; but what an
+engine used last is what it was last asked for, so a router can keep a prefix cached by
+sending it again (a request of that prefix with one output token, as a warm-up is: the engine
+touches its blocks and computes one token). The prompts that nobody reuses then age out first,
+where LRU alone would let a burst of them flush the conversations that were about to continue.
+
+Which prefixes: a request's leading blocks that an earlier request asked for too, wherever it
+was sent (a conversation's history, once the conversation has continued; a shared document,
+once it has been shared). Those are *kept* on the backend the request went to, replacing any
+shorter kept prefix they extend there. A kept prefix that no request has asked for within
+``refresh_share`` of its backend's *turnover* is due: refreshed while the router believes it
+wholly cached there, and dropped once it is not (a refresh of an evicted prefix would be its
+whole prefill). Kept prefixes hold at most ``kept_share`` of each backend's capacity, the one a
+request asked for least recently dropped first, so that new conversations find room to live
+until their next turn.
+
+The turnover is the time in which a backend's uncached prompt tokens fill its capacity: how
+long an LRU engine keeps what nobody asks for again. It is measured from the blocks the router
+sends there uncached, averaged over about one turnover. A fixed period would refresh too late
+on a small cache and for nothing on a large one, where what comes back survives anyway.
+
+What it is worth: ``kvroute bench partition``'s last table (the fleet's memory as one cache)
+and ``kvroute simulate --sweep refresh_share=...`` (docs/benchmarks/2026-12-07-routing-at-head.md).
+"""
+
+from __future__ import annotations
+
+import math
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+#: A prefix shorter than this many blocks is not worth a request of its own.
+MIN_KEPT_BLOCKS = 2
+
+#: The insertion rate is averaged over about one turnover, but never over more than this: a
+#: backend that went quiet (no turnover at all) is measured again once traffic returns.
+MAX_RATE_WINDOW_S = 60.0
+
+Prefix = tuple[int, ...]
+
+
+@dataclass(slots=True)
+class _Kept:
+    #: The kept prefixes on one backend, the one a request asked for least recently first,
+    #: each with when it was last asked for (by a request or a refresh).
+    prefixes: OrderedDict[tuple[int, ...], float] = field(default_factory=OrderedDict)
+    #: Each kept prefix by its last block: a longer prefix that extends it replaces it.
+    by_end: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    blocks: int = 0
+    #: Blocks sent here uncached since the last check, and their rate, averaged over about a turnover.
+    inserted: int = 0
+    rate: float | None = None
+
+    def add(self, prefix: tuple[int, ...], now: float) -> None:
+        for block in prefix:
+            shorter = self.by_end.get(block)
+            if shorter is not None and prefix[: len(shorter)] == shorter:
+                self.drop(shorter)
+        self.prefixes[prefix] = now
+        self.by_end[prefix[-1]] = prefix
+        self.blocks += len(prefix)
+
+    def drop(self, prefix: tuple[int, ...]) -> None:
+        del self.prefixes[prefix]
+        del self.by_end[prefix[-1]]
+        self.blocks -= len(prefix)
+
+
+class Keeper:
+    def __init__(
+        self, refresh_share: float, kept_share: float, capacity_blocks: int, seen_blocks: int
+    ) -> None:
+        if refresh_share <= 0 or not 0 < kept_share <= 1 or capacity_blocks < 1 or seen_blocks < 1:
+            raise ValueError("need refresh_share > 0, kept_share in (0, 1] and positive block counts")
+        self.refresh_share = refresh_share
+        self.capacity_blocks = capacity_blocks
+        self.budget = kept_share * capacity_blocks
+        #: Blocks some request asked for, wherever it went, the least recently asked for
+        #: forgotten first: what tells a prefix that comes back from one seen once.
+        self._seen: OrderedDict[int, None] = OrderedDict()
+        self._seen_blocks = seen_blocks
+        self._kept: dict[str, _Kept] = {}
+        self._checked: float | None = None
+        #: Refreshes made due so far.
+        self.refreshes = 0
+
+    def observe(self, backend: str, chain: Sequence[int], cached: int, now: float) -> None:
+        """A request for ``chain`` went to ``backend``, believed to hold its first ``cached``
+        blocks: count what it adds there, and keep there what of it came back."""
+        kept = self._kept.setdefault(backend, _Kept())
+        kept.inserted += len(chain) - cached
+        known = 0
+        while known < len(chain) and chain[known] in self._seen:
+            known += 1
+        for block in chain:
+            self._seen[block] = None
+            self._seen.move_to_end(block)
+        while len(self._seen) > self._seen_blocks:
+            self._seen.popitem(last=False)
+        if known < MIN_KEPT_BLOCKS:
+            return
+        kept.add(tuple(chain[:known]), now)
+        while kept.blocks > self.budget:
+            kept.drop(next(iter(kept.prefixes)))
+
+    def turnover(self, backend: str) -> float:
+        """Seconds in which ``backend``'s uncached blocks fill its capacity (inf: nothing yet)."""
+        kept = self._kept.get(backend)
+        if kept is None or not kept.rate:
+            return math.inf
+        return self.capacity_blocks / kept.rate
+
+    def due(self, now: float, held: Callable[[str, Sequence[int]], bool]) -> list[tuple[str, Prefix]]:
+        """The (backend, prefix) refreshes to send now; call it every so often (a fraction of a
+        second). ``held(backend, prefix)`` says whether the router believes the whole prefix
+        cached there; a prefix that is not stops being kept."""
+        elapsed = now - self._checked if self._checked is not None else 0.0
+        self._checked = now
+        refreshes = []
+        for backend, kept in self._kept.items():
+            if elapsed > 0:
+                rate = kept.inserted / elapsed
+                kept.inserted = 0
+                if kept.rate is None:
+                    kept.rate = rate
+                else:
+                    window = min(max(self.turnover(backend), elapsed), MAX_RATE_WINDOW_S)
+                    kept.rate += (rate - kept.rate) * elapsed / window
+            period = self.refresh_share * self.turnover(backend)
+            for prefix, asked in list(kept.prefixes.items()):
+                if now - asked < period:
+                    continue
+                if not held(backend, prefix):
+                    kept.drop(prefix)
+                    continue
+                kept.prefixes[prefix] = now
+                refreshes.append((backend, prefix))
+        self.refreshes += len(refreshes)
+        return refreshes
+
+    def kept_blocks(self, backend: str) -> int:
+        kept = self._kept.get(backend)
+        return kept.blocks if kept is not None else 0
