@@ -33,8 +33,9 @@ the share of requests whose new blocks are used again, by whether the prompt con
 earlier one and by its length. The third is the other lever, which is the engines' and not
 the router's: the pooled cache under other evictions than LRU (loadtest/evictions.py), up to
 Belady's. The fourth is the one hold a router has on an LRU engine's eviction: keeping the
-prefixes that came back alive by asking for them again, every ``--refresh-periods`` seconds
-of trace time, with at most ``--kept-shares`` of the capacity kept (``refreshed_lru``).
+prefixes that came back alive by asking for them again once ``--refresh-shares`` of the
+cache's turnover passed without a request for them, with at most ``--kept-shares`` of the
+capacity kept (``refreshed_lru``, policies/retention.py's keeper).
 """
 
 from __future__ import annotations
@@ -157,47 +158,50 @@ def observable_signals(
     return rows
 
 
-def eviction_rows(
+#: The LRU row of ``eviction_ratios``: the pooled-LRU bound, which the other rows are read against.
+LRU_ROW = "LRU (the pooled-LRU bound)"
+
+
+def eviction_ratios(
     requests: Sequence[TraceRequest], capacity_blocks: int, block_tokens: int
-) -> list[list[object]]:
-    """(eviction, hit ratio, x LRU) rows for one cache of ``capacity_blocks``: the fleet pooled."""
+) -> dict[str, float]:
+    """Hit ratio of one cache of ``capacity_blocks`` (the fleet pooled) under each eviction."""
     chains = [r.chain(block_tokens) for r in requests]
     tokens = [r.input_tokens for r in requests]
     caches: dict[str, PooledCache] = {
-        "LRU (the pooled-LRU bound)": LRU(capacity_blocks),
+        LRU_ROW: LRU(capacity_blocks),
         "ARC": ARC(capacity_blocks),
         "W-TinyLFU, 1 % window": WTinyLFU(capacity_blocks, window=0.01),
     }
     ratios = {name: hit_ratio(cache, chains, tokens, block_tokens) for name, cache in caches.items()}
     ratios["Belady (clairvoyant)"] = belady_hit_ratio(chains, tokens, capacity_blocks, block_tokens)
-    lru = ratios["LRU (the pooled-LRU bound)"]
-    return [[name, f"{r:.1%}", f"{r / lru:.2f}x" if lru else "-"] for name, r in ratios.items()]
+    return ratios
+
+
+def _times(ratio: float, lru: float) -> str:
+    return f"{ratio / lru:.2f}x" if lru else "-"
 
 
 def refresh_rows(
     requests: Sequence[TraceRequest],
     capacity_blocks: int,
     block_tokens: int,
-    periods: Sequence[float],
-    shares: Sequence[float],
+    refresh_shares: Sequence[float],
+    kept_shares: Sequence[float],
+    lru: float,
 ) -> list[list[object]]:
-    """(period, kept share, hit ratio, x LRU, refreshes a request) rows of ``refreshed_lru``."""
-    lru = hit_ratio(
-        LRU(capacity_blocks),
-        [r.chain(block_tokens) for r in requests],
-        [r.input_tokens for r in requests],
-        block_tokens,
-    )
+    """(refresh share, kept share, hit ratio, x LRU, refreshes a request) rows of ``refreshed_lru``;
+    ``lru`` is the same cache's hit ratio without refreshes."""
     rows: list[list[object]] = []
-    for period in periods:
-        for share in shares:
-            run = refreshed_lru(requests, capacity_blocks, block_tokens, period, share)
+    for refresh_share in refresh_shares:
+        for kept_share in kept_shares:
+            run = refreshed_lru(requests, capacity_blocks, block_tokens, refresh_share, kept_share)
             rows.append(
                 [
-                    f"{period:g} s",
-                    f"{share:.0%}",
+                    f"{refresh_share:g}",
+                    f"{kept_share:.0%}",
                     f"{run.hit_ratio:.1%}",
-                    f"{run.hit_ratio / lru:.2f}x" if lru else "-",
+                    _times(run.hit_ratio, lru),
                     f"{run.refreshes / len(requests):.2f}",
                 ]
             )
@@ -237,7 +241,9 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         "--caps", default="1,1.2,none", help="scratch prefill caps, over its share of engines (none: no cap)"
     )
     parser.add_argument(
-        "--refresh-periods", default="10,20,30", help="trace seconds between refreshes of a kept prefix"
+        "--refresh-shares",
+        default="0.25,0.5",
+        help="a kept prefix is refreshed once this share of the cache's turnover passed without a request",
     )
     parser.add_argument(
         "--kept-shares", default="0.25,0.5,0.75", help="most of the capacity kept prefixes hold"
@@ -245,10 +251,10 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
     args = parser.parse_args(argv)
     try:
         caps = [None if c.strip() == "none" else float(c) for c in args.caps.split(",")]
-        periods = [float(p) for p in args.refresh_periods.split(",")]
-        shares = [float(k) for k in args.kept_shares.split(",")]
-        if any(p <= 0 for p in periods) or any(not 0 < k <= 1 for k in shares):
-            raise ValueError("need --refresh-periods > 0 and --kept-shares in (0, 1]")
+        refresh_shares = [float(r) for r in args.refresh_shares.split(",")]
+        kept_shares = [float(k) for k in args.kept_shares.split(",")]
+        if any(r <= 0 for r in refresh_shares) or any(not 0 < k <= 1 for k in kept_shares):
+            raise ValueError("need --refresh-shares > 0 and --kept-shares in (0, 1]")
         if args.engines < 2 or args.capacity < args.block_tokens or args.block_tokens < 1:
             raise ValueError("need --engines >= 2 and --capacity >= --block-tokens >= 1")
         requests = read_trace(args.trace, minutes=args.minutes)
@@ -296,17 +302,15 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
     )
     pooled_blocks = args.engines * args.capacity // args.block_tokens
     print("\nthe fleet's memory as one cache under other evictions (the engines' lever, not placement)")
-    print(
-        format_table(
-            ["eviction", "hit ratio", "x LRU"],
-            eviction_rows(requests, pooled_blocks, args.block_tokens),
-        )
-    )
+    ratios = eviction_ratios(requests, pooled_blocks, args.block_tokens)
+    lru = ratios[LRU_ROW]
+    rows = [[name, f"{ratio:.1%}", _times(ratio, lru)] for name, ratio in ratios.items()]
+    print(format_table(["eviction", "hit ratio", "x LRU"], rows))
     print("\nthe same LRU cache, its returning prefixes kept alive by the router asking for them again")
     print(
         format_table(
-            ["refresh period", "kept share", "hit ratio", "x LRU", "refreshes a request"],
-            refresh_rows(requests, pooled_blocks, args.block_tokens, periods, shares),
+            ["refresh share", "kept share", "hit ratio", "x LRU", "refreshes a request"],
+            refresh_rows(requests, pooled_blocks, args.block_tokens, refresh_shares, kept_shares, lru),
         )
     )
     return 0

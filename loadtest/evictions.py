@@ -29,6 +29,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from loadtest.trace import TraceRequest
+from policies.retention import Keeper
 
 #: W-TinyLFU's counts halve after this many capacities' worth of block requests.
 TINYLFU_RESET_CAPACITIES = 10
@@ -203,6 +204,12 @@ def hit_ratio(
     return hits / queried if queried else 0.0
 
 
+#: How often ``refreshed_lru`` looks for refreshes due, in trace seconds.
+REFRESH_CHECK_S = 1.0
+#: The pool's name for the keeper: the fleet's memory as one cache is one backend.
+_POOL = "pool"
+
+
 @dataclass(frozen=True)
 class Refreshed:
     hit_ratio: float
@@ -214,62 +221,33 @@ def refreshed_lru(
     requests: Sequence[TraceRequest],
     capacity_blocks: int,
     block_tokens: int,
-    period_s: float,
+    refresh_share: float,
     kept_share: float,
 ) -> Refreshed:
     """One LRU cache (the fleet pooled, as for the pooled-LRU bound) in which a router keeps the
-    prefixes that come back alive by asking for them again: the one lever on the engines'
-    eviction that a router has on an LRU engine.
-
-    A request's leading blocks that an earlier request asked for too (a conversation's history,
-    once it has been continued) become a *kept* prefix, replacing any shorter one it extends.
-    Every ``period_s`` of trace time, each kept prefix not asked for within the period is asked
-    for again, as a warm-up request with one output token would be: an engine touches its blocks
-    and computes one token. Only a prefix still wholly cached is refreshed; one partly evicted
-    stops being kept (its next turn, if any, keeps it again). Kept prefixes hold at most
-    ``kept_share`` of the capacity, the one a request asked for least recently (refreshes do
-    not count) dropped first, so that new conversations find room to live until their next turn.
+    prefixes that come back alive by asking for them again (policies/retention.py's keeper, as
+    ``kvroute simulate --refresh-share`` runs it on a fleet): the one lever on the engines'
+    eviction that a router has on an LRU engine. A refresh touches the prefix's blocks, as an
+    engine does for a request of that prefix with one output token; the keeper looks for the
+    refreshes due every ``REFRESH_CHECK_S`` of trace time.
     """
     cache = LRU(capacity_blocks)
-    seen: set[int] = set()
-    kept: OrderedDict[tuple[int, ...], float] = OrderedDict()  # prefix -> last asked for, oldest first
-    kept_blocks = refreshes = hits = queried = 0
-    ends: dict[int, tuple[int, ...]] = {}  # a kept prefix by its last block, to find what extends it
-    tick = period_s
+    keeper = Keeper(refresh_share, kept_share, capacity_blocks, seen_blocks=4 * capacity_blocks)
+
+    def held(_: str, prefix: Sequence[int]) -> bool:
+        return cache.leading(prefix) == len(prefix)
+
+    hits = queried = 0
+    check = 0.0
     for request in requests:
-        while tick <= request.arrival_s:
-            for prefix, asked in list(kept.items()):
-                if tick - asked < period_s:
-                    continue
-                if cache.leading(prefix) < len(prefix):
-                    del kept[prefix], ends[prefix[-1]]
-                    kept_blocks -= len(prefix)
-                    continue
+        while check <= request.arrival_s:
+            for _, prefix in keeper.due(check, held):
                 cache.request(prefix)
-                kept[prefix] = tick
-                refreshes += 1
-            tick += period_s
+            check += REFRESH_CHECK_S
         chain = request.chain(block_tokens)
-        hits += min(cache.leading(chain) * block_tokens, request.input_tokens)
+        cached = cache.leading(chain)
+        hits += min(cached * block_tokens, request.input_tokens)
         queried += request.input_tokens
-        known = 0
-        while known < len(chain) and chain[known] in seen:
-            known += 1
-        seen.update(chain)
+        keeper.observe(_POOL, chain, cached, request.arrival_s)
         cache.request(chain)
-        if known < 2:
-            continue
-        prefix = tuple(chain[:known])
-        for block in prefix:
-            shorter = ends.get(block)
-            if shorter is not None and prefix[: len(shorter)] == shorter:
-                del kept[shorter], ends[block]
-                kept_blocks -= len(shorter)
-        kept[prefix] = request.arrival_s
-        ends[prefix[-1]] = prefix
-        kept_blocks += len(prefix)
-        while kept_blocks > kept_share * capacity_blocks:
-            oldest, _ = kept.popitem(last=False)
-            del ends[oldest[-1]]
-            kept_blocks -= len(oldest)
-    return Refreshed(hits / queried if queried else 0.0, refreshes)
+    return Refreshed(hits / queried if queried else 0.0, keeper.refreshes)

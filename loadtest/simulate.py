@@ -641,7 +641,7 @@ class Summary:
     belief_accuracy: float
     reasons: dict[str, int]
     wall_s: float
-    #: The keeper's refreshes (``FleetModel.keep_period_s``), over the requests.
+    #: The keeper's refreshes (``FleetModel.refresh_share``), over the requests.
     refreshes_per_request: float | None = None
 
 

@@ -18,11 +18,18 @@ until their next turn.
 
 The turnover is the time in which a backend's uncached prompt tokens fill its capacity: how
 long an LRU engine keeps what nobody asks for again. It is measured from the blocks the router
-sends there uncached, averaged over about one turnover. A fixed period would refresh too late
-on a small cache and for nothing on a large one, where what comes back survives anyway.
+sends there uncached (its requests', not its warm-ups' or refreshes'), averaged over about
+one turnover and at most a minute. A fixed period would refresh too late on a small cache
+and for nothing on a large one, where what comes back survives anyway.
+
+Kept prefixes are chains of block keys, each key hashing its predecessor's, so a block names
+its prefix. A kept prefix that another one on the same backend only shares a stem with (two
+conversations over one document) is kept beside it, and the stem counts twice against the
+budget.
 
 What it is worth: ``kvroute bench partition``'s last table (the fleet's memory as one cache)
 and ``kvroute simulate --sweep refresh_share=...`` (docs/benchmarks/2026-12-07-routing-at-head.md).
+Only those two run it so far: the router itself does not refresh yet.
 """
 
 from __future__ import annotations
@@ -46,15 +53,16 @@ Prefix = tuple[int, ...]
 class _Kept:
     #: The kept prefixes on one backend, the one a request asked for least recently first,
     #: each with when it was last asked for (by a request or a refresh).
-    prefixes: OrderedDict[tuple[int, ...], float] = field(default_factory=OrderedDict)
-    #: Each kept prefix by its last block: a longer prefix that extends it replaces it.
-    by_end: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    prefixes: OrderedDict[Prefix, float] = field(default_factory=OrderedDict)
+    #: Each kept prefix by its last block: a longer prefix that extends it replaces it. Block
+    #: keys are chained (each hashes its predecessor's key), so a block names its prefix.
+    by_end: dict[int, Prefix] = field(default_factory=dict)
     blocks: int = 0
     #: Blocks sent here uncached since the last check, and their rate, averaged over about a turnover.
     inserted: int = 0
     rate: float | None = None
 
-    def add(self, prefix: tuple[int, ...], now: float) -> None:
+    def add(self, prefix: Prefix, now: float) -> None:
         for block in prefix:
             shorter = self.by_end.get(block)
             if shorter is not None and prefix[: len(shorter)] == shorter:
@@ -63,7 +71,7 @@ class _Kept:
         self.by_end[prefix[-1]] = prefix
         self.blocks += len(prefix)
 
-    def drop(self, prefix: tuple[int, ...]) -> None:
+    def drop(self, prefix: Prefix) -> None:
         del self.prefixes[prefix]
         del self.by_end[prefix[-1]]
         self.blocks -= len(prefix)
@@ -121,13 +129,14 @@ class Keeper:
         self._checked = now
         refreshes = []
         for backend, kept in self._kept.items():
-            if elapsed > 0:
-                rate = kept.inserted / elapsed
-                kept.inserted = 0
-                if kept.rate is None:
+            # The first check only starts the measurement: what came before it has no interval.
+            rate = kept.inserted / elapsed if elapsed > 0 else None
+            kept.inserted = 0
+            if rate is not None:
+                if not kept.rate:  # nothing measured yet, or a quiet spell: start from this
                     kept.rate = rate
                 else:
-                    window = min(max(self.turnover(backend), elapsed), MAX_RATE_WINDOW_S)
+                    window = max(min(self.turnover(backend), MAX_RATE_WINDOW_S), elapsed)
                     kept.rate += (rate - kept.rate) * elapsed / window
             period = self.refresh_share * self.turnover(backend)
             for prefix, asked in list(kept.prefixes.items()):

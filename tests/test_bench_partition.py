@@ -130,7 +130,7 @@ def test_the_command_prints_all_four_tables(tmp_path: Path, capsys: pytest.Captu
         (["--caps", "lots"], "could not convert"),
         (["--engines", "1"], "--engines >= 2"),
         (["--kept-shares", "2"], "--kept-shares in (0, 1]"),
-        (["--refresh-periods", "0"], "--refresh-periods > 0"),
+        (["--refresh-shares", "0"], "--refresh-shares > 0"),
         (["--minutes", "0"], "no requests"),
     ],
 )

@@ -80,7 +80,7 @@ def test_refreshes_keep_a_returning_conversation_through_the_scans_that_flush_lr
     requests = _conversation_among_scans(turns=6)
     chains = [r.chain(TRACE_BLOCK_TOKENS) for r in requests]
     lru = hit_ratio(LRU(8), chains, [r.input_tokens for r in requests], TRACE_BLOCK_TOKENS)
-    refreshed = refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, period_s=1.0, kept_share=1.0)
+    refreshed = refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, refresh_share=0.1, kept_share=1.0)
     assert lru == 0.0
     # The second turn makes the history it found (the first turn's blocks) a kept prefix, and
     # each turn after it hits the prefix its predecessor found: turn + 1 blocks from the third on
@@ -92,10 +92,10 @@ def test_refreshes_keep_a_returning_conversation_through_the_scans_that_flush_lr
 
 
 @pytest.mark.parametrize(
-    ("period_s", "kept_share"),
-    [(100.0, 1.0), (1.0, 2 / 8)],
+    ("refresh_share", "kept_share"),
+    [(1.0, 1.0), (0.1, 2 / 8)],
     ids=["no refresh before the scans flush it", "too small a share to keep a history"],
 )
-def test_without_a_timely_refresh_or_room_to_keep_it_is_lru(period_s: float, kept_share: float):
+def test_without_a_timely_refresh_or_room_to_keep_it_is_lru(refresh_share: float, kept_share: float):
     requests = _conversation_among_scans(turns=6)
-    assert refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, period_s, kept_share).hit_ratio == 0.0
+    assert refreshed_lru(requests, 8, TRACE_BLOCK_TOKENS, refresh_share, kept_share).hit_ratio == 0.0

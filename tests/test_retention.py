@@ -38,6 +38,7 @@ def test_a_one_block_match_is_not_worth_keeping():
 
 def test_kept_prefixes_stay_within_their_share_the_least_recently_asked_dropped_first():
     k = keeper(kept_share=0.3)  # 30 blocks
+    k.due(0.0, always)
     for conversation in range(3):
         chain = [1000 * conversation + i for i in range(12)]
         k.observe("a", chain, cached=0, now=conversation)
@@ -45,7 +46,6 @@ def test_kept_prefixes_stay_within_their_share_the_least_recently_asked_dropped_
     assert k.kept_blocks("a") == 24  # the third 12-block history pushed the first out
     # The first conversation was dropped: it is not refreshed, the other two are.
     k.observe("a", list(range(50_000, 50_100)), cached=0, now=10.0)  # traffic, for a turnover
-    k.due(10.0, always)
     refreshed = {prefix[0] for _, prefix in k.due(20.0, always)}
     assert refreshed == {1000, 2000}
 
@@ -78,6 +78,17 @@ def test_a_kept_prefix_is_refreshed_after_its_share_of_the_turnover_and_dropped_
     assert [s for s, due in refreshed.items() if due] == [5]
     assert refreshed[5] == [("a", (1, 2, 3))]
     assert k.kept_blocks("a") == 0 and k.refreshes == 1  # due again at 10 s: gone, so dropped
+
+
+def test_a_long_pause_between_checks_neither_overshoots_the_rate_nor_refreshes_everything():
+    k = keeper(refresh_share=0.5)
+    k.due(0.0, always)
+    k.observe("a", [1, 2, 3], cached=0, now=0.0)
+    k.observe("a", [1, 2, 3], cached=3, now=0.0)
+    k.observe("a", list(range(100, 197)), cached=0, now=1.0)  # 100 blocks in the first 10 s
+    assert k.due(10.0, always) == [("a", (1, 2, 3))]
+    assert k.due(200.0, always) == []  # quiet for 190 s: no negative rate, no burst of refreshes
+    assert k.turnover("a") == math.inf  # nothing came in: nothing flushes the cache
 
 
 def test_nothing_is_refreshed_before_anything_has_been_measured():

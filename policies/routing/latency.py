@@ -24,8 +24,9 @@ ratio there, so the weight stays low (0.06). But where most lanes are idle, a qu
 the request need not have, and the lanes that would take its extra prefill have nothing
 queued behind them: chat traffic at 20x waited 2-4 ms a request on the low weight alone. The
 cube leaves the weight at ``queue_weight`` until most lanes are idle (half idle adds an
-eighth of ``idle_queue_weight``); with one, chat's TTFT p99 at 20x moved both ways from seed to
-seed, and with four the mean gained less (docs/benchmarks/2026-12-07-routing-at-head.md).
+eighth of ``idle_queue_weight``); the share itself (power one) moved chat's TTFT p99 at 20x
+both ways from seed to seed, its fourth power gained less on the mean
+(docs/benchmarks/2026-12-07-routing-at-head.md).
 
 ``output`` is the request's ``max_tokens`` capped at ``output_cap`` (``default_output`` when
 it gave none): the steps it will spend in that batch. ``decode_weight`` is the prefill
