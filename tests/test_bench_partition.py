@@ -8,7 +8,7 @@ import orjson
 import pytest
 
 from kvroute.cli import main
-from loadtest.bench_partition import partition, reused_later
+from loadtest.bench_partition import LRU_ROW, eviction_ratios, partition, reused_later
 from loadtest.simulate import FleetModel, bounds
 from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.workloads import generate
@@ -87,6 +87,15 @@ def test_no_scratch_engine_is_the_pooled_lru_bound_that_simulate_prints():
         keep=[False] * len(requests),
     )
     assert pooled.hit_ratio == pytest.approx(bounds(requests, model).pooled_lru_hit_ratio)
+
+
+def test_the_eviction_table_reads_other_evictions_against_the_same_pooled_lru_bound():
+    requests = _conversation_among_one_shot_prompts(turns=8)
+    ratios = eviction_ratios(requests, capacity_blocks=2 * 4, block_tokens=TRACE_BLOCK_TOKENS)
+    assert ratios[LRU_ROW] == pytest.approx(_run(requests, scratch_engines=0, cap=None).hit_ratio)
+    # The one-shot prompts are asked for once: an admission filter keeps the conversation.
+    assert ratios["W-TinyLFU, 1 % window"] > ratios[LRU_ROW]
+    assert max(ratios.values()) == ratios["Belady (clairvoyant)"]
 
 
 def test_the_command_prints_all_four_tables(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
