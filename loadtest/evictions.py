@@ -232,17 +232,17 @@ def refreshed_lru(
     refreshes due every ``REFRESH_CHECK_S`` of trace time.
     """
     cache = LRU(capacity_blocks)
-    keeper = Keeper(refresh_share, kept_share, capacity_blocks, seen_blocks=4 * capacity_blocks)
-
-    def held(_: str, prefix: Sequence[int]) -> bool:
-        return cache.leading(prefix) == len(prefix)
-
-    hits = queried = 0
+    keeper = Keeper(refresh_share, kept_share, lambda _: capacity_blocks, seen_blocks=4 * capacity_blocks)
+    hits = queried = refreshes = 0
     check = 0.0
     for request in requests:
         while check <= request.arrival_s:
-            for _, prefix in keeper.due(check, held):
+            for _, prefix, _ in keeper.due(check):
+                if cache.leading(prefix) < len(prefix):
+                    keeper.forget(_POOL, prefix)
+                    continue
                 cache.request(prefix)
+                refreshes += 1
             check += REFRESH_CHECK_S
         chain = request.chain(block_tokens)
         cached = cache.leading(chain)
@@ -250,4 +250,4 @@ def refreshed_lru(
         queried += request.input_tokens
         keeper.observe(_POOL, chain, cached, request.arrival_s)
         cache.request(chain)
-    return Refreshed(hits / queried if queried else 0.0, keeper.refreshes)
+    return Refreshed(hits / queried if queried else 0.0, refreshes)

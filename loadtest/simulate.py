@@ -390,10 +390,12 @@ class Simulation:
         #: negative index.
         self.warmups = 0
         capacity_blocks = model.capacity_tokens // model.block_tokens
+        #: The keeper's refreshes sent.
+        self.refreshes = 0
         #: Blocks the keeper remembers as asked for: four times the fleet's memory.
         seen_blocks = 4 * model.engines * capacity_blocks
         self.keeper = (
-            Keeper(model.refresh_share, model.kept_share, capacity_blocks, seen_blocks)
+            Keeper(model.refresh_share, model.kept_share, lambda _: capacity_blocks, seen_blocks)
             if model.refresh_share
             else None
         )
@@ -438,12 +440,12 @@ class Simulation:
         if not self._open or self.keeper is None:
             return
         replica = self.replicas[0]
-
-        def held(backend: str, prefix: Sequence[int]) -> bool:
-            return replica.index.match_now(list(prefix)).get(backend, 0) >= len(prefix)
-
-        for backend, prefix in self.keeper.due(now, held):
+        for backend, prefix, _ in self.keeper.due(now):
             chain = list(prefix)
+            if replica.index.match_now(chain).get(backend, 0) < len(chain):
+                self.keeper.forget(backend, prefix)
+                continue
+            self.refreshes += 1
             tokens = len(chain) * self.model.block_tokens + 1
             view = RequestView(
                 model="trace",
@@ -686,7 +688,7 @@ def simulate(
     outcomes = simulation.run(requests)
     summary = summarize(outcomes, model.engines, time.perf_counter() - started)
     if simulation.keeper is not None and requests:
-        summary = replace(summary, refreshes_per_request=simulation.keeper.refreshes / len(requests))
+        summary = replace(summary, refreshes_per_request=simulation.refreshes / len(requests))
     return outcomes, summary
 
 

@@ -38,6 +38,7 @@ import math
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 #: A prefix shorter than this many blocks is not worth a request of its own.
 MIN_KEPT_BLOCKS = 2
@@ -50,10 +51,25 @@ Prefix = tuple[int, ...]
 
 
 @dataclass(slots=True)
+class _Entry:
+    #: When a request (or a refresh) last asked for the prefix.
+    asked: float
+    #: What the caller needs to send the refresh (the router: the request to cut it from).
+    payload: object
+
+
+class Due(NamedTuple):
+    """A refresh to send: ``prefix`` to ``backend``, with what ``observe`` was given for it."""
+
+    backend: str
+    prefix: Prefix
+    payload: object
+
+
+@dataclass(slots=True)
 class _Kept:
-    #: The kept prefixes on one backend, the one a request asked for least recently first,
-    #: each with when it was last asked for (by a request or a refresh).
-    prefixes: OrderedDict[Prefix, float] = field(default_factory=OrderedDict)
+    #: The kept prefixes on one backend, the one a request asked for least recently first.
+    prefixes: OrderedDict[Prefix, _Entry] = field(default_factory=OrderedDict)
     #: Each kept prefix by its last block: a longer prefix that extends it replaces it. Block
     #: keys are chained (each hashes its predecessor's key), so a block names its prefix.
     by_end: dict[int, Prefix] = field(default_factory=dict)
@@ -62,12 +78,12 @@ class _Kept:
     inserted: int = 0
     rate: float | None = None
 
-    def add(self, prefix: Prefix, now: float) -> None:
+    def add(self, prefix: Prefix, now: float, payload: object) -> None:
         for block in prefix:
             shorter = self.by_end.get(block)
             if shorter is not None and prefix[: len(shorter)] == shorter:
                 self.drop(shorter)
-        self.prefixes[prefix] = now
+        self.prefixes[prefix] = _Entry(now, payload)
         self.by_end[prefix[-1]] = prefix
         self.blocks += len(prefix)
 
@@ -78,26 +94,40 @@ class _Kept:
 
 
 class Keeper:
+    """Which prefixes to keep on which backend, and when each is due for a refresh.
+
+    ``capacity_of(backend)`` is the backend's capacity in blocks (None: unknown, nothing is
+    kept there); ``seen_blocks`` bounds the memory of blocks asked for.
+    """
+
     def __init__(
-        self, refresh_share: float, kept_share: float, capacity_blocks: int, seen_blocks: int
+        self,
+        refresh_share: float,
+        kept_share: float,
+        capacity_of: Callable[[str], int | None],
+        seen_blocks: int,
     ) -> None:
-        if refresh_share <= 0 or not 0 < kept_share <= 1 or capacity_blocks < 1 or seen_blocks < 1:
-            raise ValueError("need refresh_share > 0, kept_share in (0, 1] and positive block counts")
+        if refresh_share <= 0 or not 0 < kept_share <= 1 or seen_blocks < 1:
+            raise ValueError("need refresh_share > 0, kept_share in (0, 1] and seen_blocks >= 1")
         self.refresh_share = refresh_share
-        self.capacity_blocks = capacity_blocks
-        self.budget = kept_share * capacity_blocks
+        self.kept_share = kept_share
+        self.capacity_of = capacity_of
         #: Blocks some request asked for, wherever it went, the least recently asked for
         #: forgotten first: what tells a prefix that comes back from one seen once.
         self._seen: OrderedDict[int, None] = OrderedDict()
         self._seen_blocks = seen_blocks
         self._kept: dict[str, _Kept] = {}
         self._checked: float | None = None
-        #: Refreshes made due so far.
-        self.refreshes = 0
 
-    def observe(self, backend: str, chain: Sequence[int], cached: int, now: float) -> None:
+    def observe(
+        self, backend: str, chain: Sequence[int], cached: int, now: float, payload: object = None
+    ) -> None:
         """A request for ``chain`` went to ``backend``, believed to hold its first ``cached``
-        blocks: count what it adds there, and keep there what of it came back."""
+        blocks: count what it adds there, and keep there what of it came back (with
+        ``payload``, which :meth:`due` hands back)."""
+        capacity = self.capacity_of(backend)
+        if not capacity:
+            return
         kept = self._kept.setdefault(backend, _Kept())
         kept.inserted += len(chain) - cached
         known = 0
@@ -110,24 +140,25 @@ class Keeper:
             self._seen.popitem(last=False)
         if known < MIN_KEPT_BLOCKS:
             return
-        kept.add(tuple(chain[:known]), now)
-        while kept.blocks > self.budget:
+        kept.add(tuple(chain[:known]), now, payload)
+        while kept.blocks > self.kept_share * capacity:
             kept.drop(next(iter(kept.prefixes)))
 
     def turnover(self, backend: str) -> float:
         """Seconds in which ``backend``'s uncached blocks fill its capacity (inf: nothing yet)."""
         kept = self._kept.get(backend)
-        if kept is None or not kept.rate:
+        capacity = self.capacity_of(backend)
+        if kept is None or not kept.rate or not capacity:
             return math.inf
-        return self.capacity_blocks / kept.rate
+        return capacity / kept.rate
 
-    def due(self, now: float, held: Callable[[str, Sequence[int]], bool]) -> list[tuple[str, Prefix]]:
-        """The (backend, prefix) refreshes to send now; call it every so often (a fraction of a
-        second). ``held(backend, prefix)`` says whether the router believes the whole prefix
-        cached there; a prefix that is not stops being kept."""
+    def due(self, now: float) -> list[Due]:
+        """The refreshes to send now; call it every so often (a fraction of a second). Each is
+        counted as asked for now; the caller :meth:`forget` s one whose prefix is no longer
+        wholly cached where it was kept (a refresh of it would be its whole prefill)."""
         elapsed = now - self._checked if self._checked is not None else 0.0
         self._checked = now
-        refreshes = []
+        due = []
         for backend, kept in self._kept.items():
             # The first check only starts the measurement: what came before it has no interval.
             rate = kept.inserted / elapsed if elapsed > 0 else None
@@ -139,16 +170,17 @@ class Keeper:
                     window = max(min(self.turnover(backend), MAX_RATE_WINDOW_S), elapsed)
                     kept.rate += (rate - kept.rate) * elapsed / window
             period = self.refresh_share * self.turnover(backend)
-            for prefix, asked in list(kept.prefixes.items()):
-                if now - asked < period:
-                    continue
-                if not held(backend, prefix):
-                    kept.drop(prefix)
-                    continue
-                kept.prefixes[prefix] = now
-                refreshes.append((backend, prefix))
-        self.refreshes += len(refreshes)
-        return refreshes
+            for prefix, entry in kept.prefixes.items():
+                if now - entry.asked >= period:
+                    entry.asked = now
+                    due.append(Due(backend, prefix, entry.payload))
+        return due
+
+    def forget(self, backend: str, prefix: Prefix) -> None:
+        """Stop keeping ``prefix`` on ``backend`` (no longer cached there)."""
+        kept = self._kept.get(backend)
+        if kept is not None and prefix in kept.prefixes:
+            kept.drop(prefix)
 
     def kept_blocks(self, backend: str) -> int:
         kept = self._kept.get(backend)
