@@ -47,15 +47,17 @@ from loadtest.simulate import FleetModel, bounds, load_source, simulate
 from loadtest.trace import DEFAULT_TRACE, TraceRequest, prompt_messages
 
 MODEL = "sim-model"
-#: kvroute contenders: (policy, routing params, closed-loop beliefs).
+#: kvroute contenders: (policy, routing params, closed-loop beliefs, routing.retention.refresh_share).
 KVROUTE = {
-    "round_robin": ("round_robin", {}, False),
-    "least_load": ("least_load", {}, False),
-    "prefix_aware": ("prefix_aware", {}, False),
-    "weighted": ("weighted", {}, False),
-    "cost": ("cost", {}, False),
-    "cost+closed_loop": ("cost", {}, True),
-    "latency": ("latency", {}, False),
+    "round_robin": ("round_robin", {}, False, 0.0),
+    "least_load": ("least_load", {}, False, 0.0),
+    "prefix_aware": ("prefix_aware", {}, False, 0.0),
+    "weighted": ("weighted", {}, False, 0.0),
+    "cost": ("cost", {}, False, 0.0),
+    "cost+closed_loop": ("cost", {}, True, 0.0),
+    "latency": ("latency", {}, False, 0.0),
+    "latency+refresh": ("latency", {}, False, 0.5),
+    "latency+refresh0.25": ("latency", {}, False, 0.25),
 }
 DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "cost", "latency", "sglang")
 
@@ -130,14 +132,15 @@ def _engines(bench: Bench, workdir: Path) -> tuple[Contender, list[str]]:
 
 
 def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Contender:
-    policy, params, closed_loop = KVROUTE[name]
+    policy, params, closed_loop, refresh_share = KVROUTE[name]
     port = free_port()
     block_tokens = 64  # index.block_size 256 characters at 4 characters per token
     lines = [
         f"listen: {{host: 127.0.0.1, port: {port}}}",
         ADMIN_ON_ANY_PORT,
         "log_level: warning",
-        f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1}}",
+        f"routing: {{policy: {policy}, params: {params or '{}'}, seed: 1, "
+        f"retention: {{refresh_share: {refresh_share}}}}}",
         f"index: {{closed_loop: {'true' if closed_loop else 'false'}}}",
         "health: {interval_s: 1.0}",
         "backends:",
@@ -271,6 +274,14 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
     for row in rows:
         if row.missing:
             print(f"{row.name} not run: {row.missing}")
+    # What the engines received beyond the clients' requests: kvroute's warm-ups and refreshes.
+    extra = [
+        f"{row.name} {(sum(row.received) - len(requests)) / len(requests):.2f}"
+        for row in rows
+        if not row.missing and row.received and sum(row.received) > len(requests)
+    ]
+    if extra:
+        print("engine requests beyond the clients', per client request: " + "; ".join(extra))
 
     model = FleetModel(
         engines=bench.engines,
@@ -312,8 +323,9 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
         name = row.name.removeprefix("kvroute ")
         if row.missing or name not in KVROUTE:
             continue
-        policy, params, closed_loop = KVROUTE[name]
-        _, s = simulate(requests, replace(model, closed_loop=closed_loop), policy, params, seed=1)
+        policy, params, closed_loop, refresh_share = KVROUTE[name]
+        run_model = replace(model, closed_loop=closed_loop, refresh_share=refresh_share)
+        _, s = simulate(requests, run_model, policy, params, seed=1)
         f = figs[row.name]
         predicted.append(
             [

@@ -145,6 +145,13 @@ class RouterMetrics:
             ["backend", "outcome"],
             registry=r,
         )
+        self.refreshes = Counter(
+            "kvroute_refreshes",
+            "Refreshes sent (routing.retention): a kept prefix sent again to the backend holding it, "
+            "as a warm-up (kvroute_warmups_total says how each ended)",
+            ["backend"],
+            registry=r,
+        )
         self.index_blocks = Gauge(
             "kvroute_index_blocks",
             "(backend, block) entries held by the prefix index",

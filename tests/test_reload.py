@@ -12,7 +12,7 @@ import pytest
 import yaml
 
 from router.config import ConfigSource
-from router.http.app import RUNTIME
+from router.http.app import DISPATCHER, RUNTIME
 from router.http.server import RouterServer
 from tests.fault_engine import MODEL, FaultEngine, backends
 from tests.helpers import admin_on_free_port, scrape, total, wait_for, wait_released
@@ -126,7 +126,7 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
             "listen": {"host": "127.0.0.1", "port": 1},
             "index": {"block_size": 64},
             "limits": {"max_body_bytes": 1000},
-            "routing": {"policy": "least_load"},
+            "routing": {"policy": "least_load", "retention": {"refresh_share": 0.5}},
             "metrics": {"listen": {"host": "127.0.0.1", "port": 1}},
             "upstream": {"tls": {"verify": False}},
             "logging": {"format": "json", "access_log": True},
@@ -143,8 +143,9 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
         "limits.max_body_bytes",
         "upstream.tls",
         "logging.format",
+        "routing.retention",
     ]
-    # The access log follows the reload; the log format and tracing wait for a restart.
+    # The access log follows the reload; the log format, tracing and refreshes wait for a restart.
     assert payload["changed"] == ["routing", "logging"]
     assert await complete(http, deployment.server.url) == (200, "least_load")
     running = deployment.server.app[RUNTIME].config
@@ -152,6 +153,9 @@ async def test_restart_only_changes_are_named_and_the_rest_applies(engines, depl
     assert running.metrics.listen is None and running.upstream.tls.verify is True
     assert running.logging.access_log is True and running.logging.format == "text"
     assert running.tracing.enabled is False
+    assert (
+        running.routing.retention.refresh_share == 0 and deployment.server.app[DISPATCHER].refresher is None
+    )
 
 
 async def test_reload_needs_the_admin_key_and_a_file(engines, deploy, make_router, http):

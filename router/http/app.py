@@ -234,6 +234,7 @@ def build_app(
             pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
             pool.subscribe_down(lambda backend: _end_exchanges(upstream, backend))
             app[DISPATCHER] = Dispatcher(config, pool, index, config.policy, Proxy(upstream), router_metrics)
+            app[DISPATCHER].start()
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
             await upkeep.start()

@@ -16,9 +16,9 @@ What applies live, and why the rest needs a restart:
 * restart: ``listen``, ``admin.listen`` and ``metrics`` (sockets), ``upstream.tls`` (the TLS of
   backends without their own, built with them), ``index`` (the index and its hashing
   define what every stored belief means), ``discovery``, ``health``, ``engine_metrics``
-  (background loops built at start), and ``limits`` body and header sizes (fixed in the
-  HTTP server). A reload that changes them applies everything else, keeps their running
-  values, and names them in ``restart_required``.
+  and ``routing.retention`` (background loops built at start), and ``limits`` body and
+  header sizes (fixed in the HTTP server). A reload that changes them applies everything
+  else, keeps their running values, and names them in ``restart_required``.
 """
 
 from __future__ import annotations
@@ -143,6 +143,8 @@ class Runtime:
             restart.append("upstream.tls")
         if old.logging.format != new.logging.format:
             restart.append("logging.format")
+        if old.routing.retention != new.routing.retention:
+            restart.append("routing.retention")
         backends_live = old.discovery.kind == "static"
         if not backends_live and old.backends != new.backends:
             restart.append("backends")
@@ -180,10 +182,13 @@ class Runtime:
         # The pool's default TLS is that of the backends it built (router/fleet/backends.py).
         upstream = dataclasses.replace(new.upstream, tls=old.upstream.tls)
         logs = dataclasses.replace(new.logging, format=old.logging.format)
+        routing = dataclasses.replace(new.routing, retention=old.routing.retention)
         kept = {s: getattr(old, s) for s in RESTART_SECTIONS}
         if old.discovery.kind != "static":
             kept["backends"] = old.backends
-        return dataclasses.replace(new, limits=limits, admin=admin, upstream=upstream, logging=logs, **kept)
+        return dataclasses.replace(
+            new, limits=limits, admin=admin, upstream=upstream, logging=logs, routing=routing, **kept
+        )
 
     def _sync_backends(self, config: Config) -> None:
         """Make the pool match ``backends``; a replaced backend keeps its health if its URL stayed."""

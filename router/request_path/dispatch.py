@@ -18,7 +18,9 @@ learns what happened, for the access log and the request's span; with tracing, t
 decision is a ``route`` span and each attempt an ``upstream`` span.
 
 A decision may also ask for a warm-up (``Decision.warmup``): a prefix copied to another
-candidate in the background, beside the request (router/request_path/warmup.py).
+candidate in the background, beside the request (router/request_path/warmup.py). With
+``routing.retention``, every pick is also told to the refresher, which keeps the prefixes that
+come back cached by sending them again (router/request_path/retention.py).
 
 Retries: a backend that fails before the client got a byte (router/request_path/proxy.py says which
 failures count) is replaced by the policy's pick among the remaining candidates, at most
@@ -52,6 +54,8 @@ from router.request_path.keying import build_keyer
 from router.request_path.pick import Picker
 from router.request_path.proxy import Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
+from router.request_path.retention import IN_FLIGHT as REFRESHES_IN_FLIGHT
+from router.request_path.retention import Refresher
 from router.request_path.warmup import Warmups
 
 log = logging.getLogger("kvroute.dispatch")
@@ -109,9 +113,23 @@ class Dispatcher:
         self.pairs = Pairs(self.books, proxy, metrics, self.picker)
         #: Prefix copies a policy asks for beside a request (router/request_path/warmup.py).
         self.warmups = Warmups(self.books, proxy, metrics, self.keyer)
+        #: Keeps returning prefixes cached by refreshing them (``routing.retention``, read at start).
+        retention = config.routing.retention
+        self.refresher: Refresher | None = None
+        if retention.refresh_share > 0:
+            refreshes = Warmups(self.books, proxy, metrics, self.keyer, in_flight=REFRESHES_IN_FLIGHT)
+            timeout = config.upstream.first_byte_timeout_s
+            self.refresher = Refresher(retention, pool, index, refreshes, metrics, timeout)
+
+    def start(self) -> None:
+        """At start, in the event loop: the refresher's task."""
+        if self.refresher is not None:
+            self.refresher.start()
 
     async def close(self) -> None:
-        """At shutdown: cancel the warm-ups in flight."""
+        """At shutdown: stop refreshing, cancel the warm-ups in flight."""
+        if self.refresher is not None:
+            await self.refresher.close()
         await self.warmups.close()
 
     @property
@@ -225,6 +243,9 @@ class Dispatcher:
                     context.trace.routed(route.trace_started, route.label, decision, view, candidates)
                 if decision.warmup is not None:
                     self._warm(request, routable, view, decision, candidates, context, timeout)
+                if self.refresher is not None and route.prefix_routed:
+                    cached = route.matches.get(backend.name, 0)
+                    self.refresher.observe(request, routable, view, backend.name, cached, context)
             try:
                 with Attempt(
                     self.books, routable, view, backend, decision, context, timeout, route.prefix_routed

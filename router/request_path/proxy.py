@@ -26,6 +26,7 @@ import asyncio
 import sys
 import time
 from collections.abc import Awaitable, Mapping
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from aiohttp import web
@@ -122,6 +123,27 @@ def _copy_headers(headers: Mapping[str, str]) -> CIMultiDict[str]:
     return CIMultiDict([(k, v) for k, v in headers.items() if k.lower() not in dropped])
 
 
+@dataclass(frozen=True, slots=True)
+class Replay:
+    """What a request the router sends later on its own (a refresh, router/request_path/retention.py)
+    keeps of the client's request it stems from: the headers, the path, and whether a tenant
+    was authenticated for it, all the proxy reads of a client's request."""
+
+    headers: CIMultiDict[str]
+    raw_path: str
+    tenant: bool
+
+    @classmethod
+    def of(cls, request: web.Request) -> Replay:
+        return cls(_copy_headers(request.headers), request.raw_path, TENANT in request)
+
+    def __contains__(self, key: object) -> bool:
+        return key is TENANT and self.tenant
+
+
+#: What the proxy sends upstream on behalf of: a client's request, or one replayed from it.
+Outgoing = web.Request | Replay
+
 _T = TypeVar("_T")
 
 if sys.version_info >= (3, 11):
@@ -177,7 +199,7 @@ class Proxy:
         upstream, first = await self.open(request, attempt)
         return await self.relay(request, attempt, upstream, first)
 
-    async def open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
+    async def open(self, request: Outgoing, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk within the attempt's first-byte timeout; a
         failure (a retryable status included) is UpstreamFailed. The caller owns the response:
         :meth:`relay` it, or close it."""
@@ -220,7 +242,7 @@ class Proxy:
             else:
                 upstream.close()
 
-    async def fetch(self, request: web.Request, attempt: Forwarding) -> tuple[int, bytes]:
+    async def fetch(self, request: Outgoing, attempt: Forwarding) -> tuple[int, bytes]:
         """Send the request and read its whole (non-streamed) answer for the router itself, not
         the client: a prefill engine's reply. Its end is the prefill's first byte. Failures
         before the answer is whole are UpstreamFailed."""
@@ -241,7 +263,7 @@ class Proxy:
         upstream.release()
         return upstream.status, data
 
-    async def _open(self, request: web.Request, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
+    async def _open(self, request: Outgoing, attempt: Forwarding) -> tuple[UpstreamResponse, bytes]:
         """Send the request and read the first chunk; a retryable status fails the attempt."""
         outgoing = _copy_headers(request.headers)
         outgoing.update(attempt.upstream_headers)

@@ -14,8 +14,20 @@ from typing import Annotated, Any, Literal
 
 import msgspec
 
-from policies.params import NonEmptyStr, PositiveFloat, PositiveInt
+from policies.params import NonEmptyStr, NonNegativeFloat, PositiveFloat, PositiveInt
 from router.fleet.settings import BackendTLSConfig
+
+
+@dataclass(frozen=True)
+class RetentionConfig:
+    """``routing.retention``: keep the prefixes that come back cached on LRU engines by sending
+    them again (policies/retention.py, router/request_path/retention.py)."""
+
+    #: A kept prefix is refreshed once this share of its engine's turnover (the time its
+    #: uncached prompt tokens take to fill its cache) passed without a request for it; 0: off.
+    refresh_share: NonNegativeFloat = 0.0
+    #: The most of each engine's cache the kept prefixes hold.
+    kept_share: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.5
 
 
 @dataclass(frozen=True)
@@ -35,6 +47,7 @@ class RoutingConfig:
     seed: int | None = None
     #: Header whose value keeps a session together (session-aware policies); else the body's ``user``.
     session_header: str = "x-session-id"
+    retention: RetentionConfig = field(default_factory=RetentionConfig)
 
 
 @dataclass(frozen=True)

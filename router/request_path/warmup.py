@@ -15,7 +15,8 @@ believes the prefix there from the pick and withdraws the belief if it fails; it
 its own (no access-log line, no effect on the client's), is never retried, never tells a
 learning policy an outcome, and never delays or fails the request that asked for it. At most
 one warm-up per backend and prefix, and ``MAX_IN_FLIGHT`` in all, are in flight; the rest are
-skipped. ``kvroute_warmups_total`` counts them by outcome.
+skipped (the refreshes of router/request_path/retention.py have their own, larger limit).
+``kvroute_warmups_total`` counts them by outcome.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ from functools import partial
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from policies.types import Decision, RequestView, Warmup
 from router.fleet.backends import Backend
@@ -38,7 +38,7 @@ from router.request_path.context import REQUEST_ID_HEADER, RequestContext
 from router.request_path.endpoints import CHAT, COMPLETIONS
 from router.request_path.keying import Keyer
 from router.request_path.prompts import chat_prompt
-from router.request_path.proxy import Proxy, UpstreamFailed
+from router.request_path.proxy import Outgoing, Proxy, UpstreamFailed
 from router.request_path.request import RoutableRequest
 
 log = logging.getLogger("kvroute.warmup")
@@ -97,7 +97,7 @@ def warmup_body(part: RoutableRequest) -> bytes:
 class _Job:
     """One warm-up to send: the request that asked for it, and where and how much to copy."""
 
-    request: web.Request
+    request: Outgoing
     routable: RoutableRequest
     view: RequestView
     target: Backend
@@ -109,7 +109,14 @@ class _Job:
 class Warmups:
     """The warm-ups of one dispatcher, started beside requests and cancelled at shutdown."""
 
-    def __init__(self, books: AttemptBooks, proxy: Proxy, metrics: RouterMetrics, keyer: Keyer) -> None:
+    def __init__(
+        self,
+        books: AttemptBooks,
+        proxy: Proxy,
+        metrics: RouterMetrics,
+        keyer: Keyer,
+        in_flight: int = MAX_IN_FLIGHT,
+    ) -> None:
         self.books = books
         self.proxy = proxy
         self.metrics = metrics
@@ -117,27 +124,30 @@ class Warmups:
         self._tasks: set[asyncio.Task[str]] = set()
         #: (backend, the prefix's last block) of the warm-ups in flight.
         self._pending: set[tuple[str, int]] = set()
+        #: The most in flight at once; beyond, a warm-up is skipped.
+        self.in_flight = in_flight
 
     def start(
         self,
-        request: web.Request,
+        request: Outgoing,
         routable: RoutableRequest,
         view: RequestView,
         target: Backend,
         warmup: Warmup,
         context: RequestContext,
         timeout: float,
-    ) -> None:
-        """Send the warm-up in the background, or count it skipped."""
+    ) -> bool:
+        """Send the warm-up in the background (True), or count it skipped (False)."""
         key = (target.name, view.chain[warmup.blocks - 1]) if 0 < warmup.blocks <= len(view.chain) else None
-        if key is None or key in self._pending or len(self._tasks) >= MAX_IN_FLIGHT:
+        if key is None or key in self._pending or len(self._tasks) >= self.in_flight:
             self.metrics.warmups.labels(target.name, "skipped").inc()
-            return
+            return False
         self._pending.add(key)
         job = _Job(request, routable, view, target, warmup, context, timeout)
         task = asyncio.create_task(self._run(job))
         self._tasks.add(task)
         task.add_done_callback(partial(self._booked, target.name, key))
+        return True
 
     def _booked(self, backend: str, key: tuple[str, int], task: asyncio.Task[str]) -> None:
         """Count the warm-up's outcome once and free its prefix, however its task ended

@@ -1,0 +1,116 @@
+"""Refreshes (``routing.retention``): a real router keeps a conversation that came back cached on
+its engine by sending it again, and stops once the index no longer believes it there."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+
+import aiohttp
+
+from router.http.app import DISPATCHER, INDEX
+from tests.fault_engine import MODEL, backends
+from tests.helpers import MakeRouter, scrape, total, wait_for, wait_released
+
+DOCUMENT = "".join(f"Clause {i}: the tenant keeps the premises in good repair. " for i in range(120))
+#: Believed capacity of the engine, in router blocks of 256 characters: the document is ~27.
+CAPACITY = 120
+RETENTION = {"refresh_share": 0.1, "kept_share": 1.0}
+
+
+def turn(*questions: str) -> dict:
+    """A conversation over the document, one user message per question."""
+    messages: list[dict[str, str]] = [{"role": "system", "content": DOCUMENT}]
+    for question in questions:
+        messages += [{"role": "user", "content": question}, {"role": "assistant", "content": "Yes."}]
+    return {"model": MODEL, "messages": messages[:-1], "max_tokens": 5}
+
+
+def one_shot(number: int) -> dict:
+    """A prompt of ten fresh blocks nobody asks for again."""
+    text = "".join(f"Unrelated note {number}.{i}: nothing here comes back. " for i in range(60))
+    return {"model": MODEL, "messages": [{"role": "user", "content": text}], "max_tokens": 5}
+
+
+async def ask(http: aiohttp.ClientSession, url: str, body: dict) -> None:
+    async with http.post(f"{url}/v1/chat/completions", json=body) as resp:
+        assert resp.status == 200, await resp.text()
+        await resp.read()
+
+
+async def counted(http: aiohttp.ClientSession, url: str, name: str, **labels: str) -> float:
+    return total(await scrape(http, url), name, **labels)
+
+
+async def churn_until(
+    http: aiohttp.ClientSession, url: str, condition: Callable[[], Awaitable[bool]], what: str
+) -> None:
+    """Send one-shot prompts, one every 0.2 s and 30 at most, until ``condition``: uncached
+    blocks arriving over several of the refresher's checks are what it measures the engine's
+    turnover from."""
+    for number in range(30):
+        if await condition():
+            return
+        await ask(http, url, one_shot(number))
+        await asyncio.sleep(0.2)
+    raise AssertionError(f"no {what} after 30 one-shot prompts")
+
+
+async def test_a_conversation_that_came_back_is_refreshed_on_its_engine_with_one_token(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = await fault_engines("ok")
+    configured = [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])]
+    router = await make_router(configured, routing={"retention": RETENTION})
+    await ask(http, router.url, turn("Who fixes the roof?"))
+    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))  # it came back
+
+    async def refreshed() -> bool:
+        return await counted(http, router.url, "kvroute_refreshes_total", backend=engine.name) >= 1
+
+    await churn_until(http, router.url, refreshed, "refresh of the conversation")
+    refresh = next(body for body in engine.json_bodies if body["max_tokens"] == 1)
+    # The fewest messages holding the blocks the first turn had brought whole: the document's (the
+    # first question ends in a block the chain leaves out, as it is not full).
+    assert refresh["messages"] == [{"role": "system", "content": DOCUMENT}]
+    assert refresh["stream"] is False
+    asked = [rid for rid, body in zip(engine.request_ids, engine.json_bodies, strict=True) if body is refresh]
+    assert asked[0].endswith("-warmup")
+
+    async def ok() -> bool:
+        return await counted(http, router.url, "kvroute_warmups_total", outcome="ok") >= 1
+
+    await wait_for(ok, what="the refresh answered")
+    await wait_released(http, router.url)
+
+
+async def test_a_prefix_no_longer_believed_cached_is_not_refreshed_but_forgotten(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = await fault_engines("ok")
+    configured = [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])]
+    router = await make_router(configured, routing={"retention": RETENTION})
+    await ask(http, router.url, turn("Who fixes the roof?"))
+    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))
+    keeper = router.app[DISPATCHER].refresher.keeper
+    assert keeper.kept_blocks(engine.name) > 0
+    router.app[INDEX].remove_backend(engine.name)  # the index forgets what the engine holds
+    router.app[INDEX].add_backend(engine.name, CAPACITY)
+
+    async def forgotten() -> bool:
+        return keeper.kept_blocks(engine.name) == 0
+
+    await churn_until(http, router.url, forgotten, "forgetting of the prefix")
+    assert await counted(http, router.url, "kvroute_refreshes_total", backend=engine.name) == 0
+    assert all(body["max_tokens"] != 1 for body in engine.json_bodies)
+
+
+async def test_without_retention_the_router_sends_no_refresh(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = await fault_engines("ok")
+    router = await make_router(backends([engine]))
+    assert router.app[DISPATCHER].refresher is None
+    await ask(http, router.url, turn("Who fixes the roof?"))
+    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))
+    assert engine.received == 2
