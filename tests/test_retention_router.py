@@ -9,7 +9,8 @@ from collections.abc import Awaitable, Callable
 import aiohttp
 
 from router.http.app import DISPATCHER, INDEX
-from tests.fault_engine import MODEL, backends
+from router.http.server import RouterServer
+from tests.fault_engine import MODEL, FaultEngine, backends
 from tests.helpers import MakeRouter, scrape, total, wait_for, wait_released
 
 DOCUMENT = "".join(f"Clause {i}: the tenant keeps the premises in good repair. " for i in range(120))
@@ -56,14 +57,23 @@ async def churn_until(
     raise AssertionError(f"no {what} after 30 one-shot prompts")
 
 
-async def test_a_conversation_that_came_back_is_refreshed_on_its_engine_with_one_token(
+async def conversation_came_back(
     fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
-) -> None:
+) -> tuple[FaultEngine, RouterServer]:
+    """A router with refreshes in front of one engine, and a conversation's two turns through it:
+    the second makes the first's blocks a kept prefix there."""
     (engine,) = await fault_engines("ok")
     configured = [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])]
     router = await make_router(configured, routing={"retention": RETENTION})
     await ask(http, router.url, turn("Who fixes the roof?"))
-    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))  # it came back
+    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))
+    return engine, router
+
+
+async def test_a_conversation_that_came_back_is_refreshed_on_its_engine_with_one_token(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    engine, router = await conversation_came_back(fault_engines, make_router, http)
 
     async def refreshed() -> bool:
         return await counted(http, router.url, "kvroute_refreshes_total", backend=engine.name) >= 1
@@ -87,11 +97,7 @@ async def test_a_conversation_that_came_back_is_refreshed_on_its_engine_with_one
 async def test_a_prefix_no_longer_believed_cached_is_not_refreshed_but_forgotten(
     fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
 ) -> None:
-    (engine,) = await fault_engines("ok")
-    configured = [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])]
-    router = await make_router(configured, routing={"retention": RETENTION})
-    await ask(http, router.url, turn("Who fixes the roof?"))
-    await ask(http, router.url, turn("Who fixes the roof?", "And the garden?"))
+    engine, router = await conversation_came_back(fault_engines, make_router, http)
     keeper = router.app[DISPATCHER].refresher.keeper
     assert keeper.kept_blocks(engine.name) > 0
     router.app[INDEX].remove_backend(engine.name)  # the index forgets what the engine holds
