@@ -29,7 +29,7 @@ budget.
 
 What it is worth: ``kvroute bench partition``'s last table (the fleet's memory as one cache)
 and ``kvroute simulate --sweep refresh_share=...`` (docs/benchmarks/2026-12-07-routing-at-head.md).
-Only those two run it so far: the router itself does not refresh yet.
+The router runs it as ``routing.retention`` (router/request_path/retention.py).
 """
 
 from __future__ import annotations
@@ -159,7 +159,10 @@ class Keeper:
         elapsed = now - self._checked if self._checked is not None else 0.0
         self._checked = now
         due = []
-        for backend, kept in self._kept.items():
+        for backend, kept in list(self._kept.items()):
+            if not self.capacity_of(backend):  # removed (or never measured): keep nothing there
+                del self._kept[backend]
+                continue
             # The first check only starts the measurement: what came before it has no interval.
             rate = kept.inserted / elapsed if elapsed > 0 else None
             kept.inserted = 0

@@ -95,6 +95,16 @@ def test_a_long_pause_between_checks_neither_overshoots_the_rate_nor_makes_every
     assert k.turnover("a") == math.inf  # nothing came in: nothing flushes the cache
 
 
+def test_a_backend_whose_capacity_is_gone_keeps_nothing():
+    capacities = {"a": CAPACITY}
+    k = Keeper(0.5, 0.5, capacities.get, seen_blocks=1000)
+    k.observe("a", [1, 2, 3], cached=0, now=0.0)
+    k.observe("a", [1, 2, 3], cached=3, now=0.0, payload="a request")
+    assert k.kept_blocks("a") == 3
+    del capacities["a"]  # the backend was removed: its kept prefixes (and payloads) go
+    assert k.due(1.0) == [] and k.kept_blocks("a") == 0
+
+
 def test_nothing_is_due_before_anything_has_been_measured():
     k = keeper()
     k.observe("a", [1, 2, 3], cached=0, now=0.0)

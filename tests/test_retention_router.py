@@ -85,7 +85,7 @@ async def test_a_conversation_that_came_back_is_refreshed_on_its_engine_with_one
     assert refresh["messages"] == [{"role": "system", "content": DOCUMENT}]
     assert refresh["stream"] is False
     asked = [rid for rid, body in zip(engine.request_ids, engine.json_bodies, strict=True) if body is refresh]
-    assert asked[0].endswith("-warmup")
+    assert asked[0].endswith("-refresh")
 
     async def ok() -> bool:
         return await counted(http, router.url, "kvroute_warmups_total", outcome="ok") >= 1
@@ -109,6 +109,19 @@ async def test_a_prefix_no_longer_believed_cached_is_not_refreshed_but_forgotten
     await churn_until(http, router.url, forgotten, "forgetting of the prefix")
     assert await counted(http, router.url, "kvroute_refreshes_total", backend=engine.name) == 0
     assert all(body["max_tokens"] != 1 for body in engine.json_bodies)
+
+
+async def test_a_prompt_no_warmup_can_cut_is_not_kept(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    (engine,) = await fault_engines("ok")
+    configured = [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])]
+    router = await make_router(configured, routing={"retention": RETENTION})
+    body = {"model": MODEL, "prompt": list(range(2000)), "max_tokens": 5}
+    for _ in range(2):
+        async with http.post(f"{router.url}/v1/completions", json=body) as resp:
+            assert resp.status == 200, await resp.text()
+    assert router.app[DISPATCHER].refresher.keeper.kept_blocks(engine.name) == 0
 
 
 async def test_without_retention_the_router_sends_no_refresh(

@@ -234,7 +234,6 @@ def build_app(
             pool.subscribe(lambda backend: None, lambda backend: upstream.forget(backend.url))
             pool.subscribe_down(lambda backend: _end_exchanges(upstream, backend))
             app[DISPATCHER] = Dispatcher(config, pool, index, config.policy, Proxy(upstream), router_metrics)
-            app[DISPATCHER].start()
             runtime.dispatcher = app[DISPATCHER]
             upkeep = FleetUpkeep(config, pool, index, router_metrics, session)
             await upkeep.start()
@@ -247,6 +246,7 @@ def build_app(
                 from router.kv_events.subscriber import start_kv_events
 
                 kv_events = start_kv_events(config, pool, index, router_metrics.registry, session)
+            app[DISPATCHER].start()
             try:
                 yield
             finally:

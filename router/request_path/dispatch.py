@@ -117,7 +117,9 @@ class Dispatcher:
         retention = config.routing.retention
         self.refresher: Refresher | None = None
         if retention.refresh_share > 0:
-            refreshes = Warmups(self.books, proxy, metrics, self.keyer, in_flight=REFRESHES_IN_FLIGHT)
+            refreshes = Warmups(
+                self.books, proxy, metrics, self.keyer, in_flight=REFRESHES_IN_FLIGHT, suffix="refresh"
+            )
             timeout = config.upstream.first_byte_timeout_s
             self.refresher = Refresher(retention, pool, index, refreshes, metrics, timeout)
 

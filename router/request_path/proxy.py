@@ -135,11 +135,17 @@ class Replay:
 
     @classmethod
     def of(cls, request: web.Request) -> Replay:
-        return cls(_copy_headers(request.headers), request.raw_path, TENANT in request)
+        headers = _copy_headers(request.headers)
+        for name in _TRACE_CONTEXT:  # the client's trace ended with its request
+            headers.popall(name, None)
+        return cls(headers, request.raw_path, TENANT in request)
 
     def __contains__(self, key: object) -> bool:
         return key is TENANT and self.tenant
 
+
+#: W3C trace context headers: a replayed request does not belong to the client's trace.
+_TRACE_CONTEXT = ("traceparent", "tracestate")
 
 #: What the proxy sends upstream on behalf of: a client's request, or one replayed from it.
 Outgoing = web.Request | Replay

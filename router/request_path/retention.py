@@ -36,7 +36,7 @@ from router.request_path.context import RequestContext
 from router.request_path.proxy import Replay
 from router.request_path.request import RoutableRequest
 from router.request_path.settings import RetentionConfig
-from router.request_path.warmup import Warmups
+from router.request_path.warmup import Warmups, cuttable
 from router.tasks import stop_task
 
 log = logging.getLogger("kvroute.retention")
@@ -86,7 +86,8 @@ class Refresher:
 
     async def close(self) -> None:
         """Stop looking for refreshes due, and cancel those in flight."""
-        await stop_task(self._task)
+        if self._task is not None:
+            await stop_task(self._task)
         await self.warmups.close()
 
     def observe(
@@ -98,8 +99,9 @@ class Refresher:
         cached_blocks: int,
         context: RequestContext,
     ) -> None:
-        """A request went to ``backend``, believed to hold ``cached_blocks`` of its chain."""
-        if not view.chain:
+        """A request went to ``backend``, believed to hold ``cached_blocks`` of its chain. Only a
+        prompt a warm-up can cut to a prefix is kept: a chat's messages, a completion's text."""
+        if not view.chain or not cuttable(routable):
             return
         resend = _Resend(Replay.of(request), routable, view, context.id, context.upstream_headers)
         self.keeper.observe(backend, view.chain, cached_blocks, time.monotonic(), resend)

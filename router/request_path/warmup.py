@@ -50,6 +50,13 @@ MAX_IN_FLIGHT = 4
 _DROPPED = ("stream_options", "max_completion_tokens", "n", "best_of", "logprobs", "top_logprobs")
 
 
+def cuttable(routable: RoutableRequest) -> bool:
+    """Whether :func:`leading_part` can cut the request: a chat, or a completion of one text."""
+    if routable.endpoint == CHAT:
+        return isinstance(routable.document.get("messages"), list)
+    return routable.endpoint == COMPLETIONS and isinstance(routable.document.get("prompt"), str)
+
+
 def leading_part(routable: RoutableRequest, keyer: Keyer, wanted: list[int]) -> RoutableRequest | None:
     """The request cut to the fewest whole messages (chat) or characters (a completion's text
     prompt) whose chain starts with ``wanted``, the first blocks of the request's own chain;
@@ -116,6 +123,7 @@ class Warmups:
         metrics: RouterMetrics,
         keyer: Keyer,
         in_flight: int = MAX_IN_FLIGHT,
+        suffix: str = "warmup",
     ) -> None:
         self.books = books
         self.proxy = proxy
@@ -126,6 +134,8 @@ class Warmups:
         self._pending: set[tuple[str, int]] = set()
         #: The most in flight at once; beyond, a warm-up is skipped.
         self.in_flight = in_flight
+        #: Appended to the id of the request it stems from: its own request id upstream.
+        self.suffix = suffix
 
     def start(
         self,
@@ -183,7 +193,7 @@ class Warmups:
             view, chain=prefix, prompt_tokens=blocks * view.block_tokens, block_count=blocks, max_tokens=1
         )
         # Its own request id upstream too: engines log (and abort) requests by that header.
-        own_id = f"{job.context.id}-warmup"
+        own_id = f"{job.context.id}-{self.suffix}"
         headers = {**job.context.upstream_headers, REQUEST_ID_HEADER: own_id}
         own = RequestContext(own_id, time.perf_counter(), headers)
         side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
