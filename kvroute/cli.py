@@ -360,8 +360,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--refresh-share",
         type=float,
         default=0.0,
-        help="a model, not yet in the router: keep prefixes that came back alive by asking for them "
-        "again once this share of their engine's turnover passed without a request for them "
+        help="as routing.retention.refresh_share: keep prefixes that came back alive by asking for "
+        "them again once this share of their engine's turnover passed without a request for them "
         "(policies/retention.py; 0: off)",
     )
     simulate.add_argument(

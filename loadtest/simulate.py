@@ -110,8 +110,8 @@ class FleetModel:
     #: others' load as they last published it, and the write that follows each pick (its
     #: belief, ``belief_delay_s`` later) also publishes the replica's counts.
     load_on_lookup: bool = False
-    #: A model of a router that keeps returning prefixes alive by asking for them again
-    #: (policies/retention.py; not in the router yet): a kept prefix is refreshed once this
+    #: The router's ``routing.retention``, which keeps returning prefixes alive by asking for
+    #: them again (policies/retention.py): a kept prefix is refreshed once this
     #: share of its engine's turnover passed without a request for it (0: off), and kept
     #: prefixes hold at most ``kept_share`` of each engine's capacity.
     refresh_share: float = 0.0
@@ -446,18 +446,7 @@ class Simulation:
                 self.keeper.forget(backend, prefix)
                 continue
             self.refreshes += 1
-            tokens = len(chain) * self.model.block_tokens + 1
-            view = RequestView(
-                model="trace",
-                tenant="default",
-                session_key=None,
-                prompt_tokens=tokens,
-                block_count=len(chain),
-                block_tokens=self.model.block_tokens,
-                max_tokens=1,
-                stream=True,
-                chain=chain,
-            )
+            view = self._view(chain, len(chain) * self.model.block_tokens + 1, max_tokens=1)
             self._warm(replica, backend, chain, view)
         self.schedule(now + KEEPER_CHECK_S, self._refresh)
 
@@ -478,17 +467,7 @@ class Simulation:
         chain = request.chain(model.block_tokens)
         uses_index = policy.uses_prefix_match
         matches = replica.index.match_now(chain) if uses_index else {}
-        view = RequestView(
-            model="trace",
-            tenant="default",
-            session_key=None,
-            prompt_tokens=request.input_tokens,
-            block_count=len(chain),
-            block_tokens=model.block_tokens,
-            max_tokens=request.output_tokens,
-            stream=True,
-            chain=chain,
-        )
+        view = self._view(chain, request.input_tokens, request.output_tokens)
         riding = self._riding
         if riding and uses_index:
             self._read(replica)  # the lookup's round trip reads the fleet's sums
@@ -531,6 +510,20 @@ class Simulation:
         if riding and uses_index and chain:
             # The pick's write leaves at once and carries the replica's counts.
             self.schedule(self.now + model.belief_delay_s, lambda now: self._publish(replica, now))
+
+    def _view(self, chain: list[int], prompt_tokens: int, max_tokens: int) -> RequestView:
+        """A streamed request of ``chain``, as the policy sees it."""
+        return RequestView(
+            model="trace",
+            tenant="default",
+            session_key=None,
+            prompt_tokens=prompt_tokens,
+            block_count=len(chain),
+            block_tokens=self.model.block_tokens,
+            max_tokens=max_tokens,
+            stream=True,
+            chain=chain,
+        )
 
     def _believe(self, replica: _Replica, backend: str, chain: list[int]) -> None:
         """Record a pick in the picking replica's index now, in the others' once it reaches them."""

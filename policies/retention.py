@@ -120,11 +120,17 @@ class Keeper:
         self._checked: float | None = None
 
     def observe(
-        self, backend: str, chain: Sequence[int], cached: int, now: float, payload: object = None
+        self,
+        backend: str,
+        chain: Sequence[int],
+        cached: int,
+        now: float,
+        payload: Callable[[], object] | None = None,
     ) -> None:
         """A request for ``chain`` went to ``backend``, believed to hold its first ``cached``
-        blocks: count what it adds there, and keep there what of it came back (with
-        ``payload``, which :meth:`due` hands back)."""
+        blocks: count what it adds there, and keep there what of it came back, with what
+        ``payload()`` makes (called only then: most requests keep nothing), which :meth:`due`
+        hands back."""
         capacity = self.capacity_of(backend)
         if not capacity:
             return
@@ -140,7 +146,7 @@ class Keeper:
             self._seen.popitem(last=False)
         if known < MIN_KEPT_BLOCKS:
             return
-        kept.add(tuple(chain[:known]), now, payload)
+        kept.add(tuple(chain[:known]), now, payload() if payload is not None else None)
         while kept.blocks > self.kept_share * capacity:
             kept.drop(next(iter(kept.prefixes)))
 

@@ -147,7 +147,7 @@ class RouterMetrics:
         )
         self.refreshes = Counter(
             "kvroute_refreshes",
-            "Refreshes sent (routing.retention): a kept prefix sent again to the backend holding it, "
+            "Refreshes started (routing.retention): a kept prefix sent again to the backend holding it, "
             "as a warm-up (kvroute_warmups_total says how each ended)",
             ["backend"],
             registry=r,

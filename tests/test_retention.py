@@ -45,7 +45,7 @@ def test_kept_prefixes_stay_within_their_share_the_least_recently_asked_dropped_
     for conversation in range(3):
         chain = [1000 * conversation + i for i in range(12)]
         k.observe("a", chain, cached=0, now=conversation)
-        k.observe("a", chain, cached=12, now=conversation + 0.5, payload=conversation)
+        k.observe("a", chain, cached=12, now=conversation + 0.5, payload=lambda c=conversation: c)
     assert k.kept_blocks("a") == 24  # the third 12-block history pushed the first out
     # The first conversation was dropped: it is not due, the other two are, with their payloads.
     k.observe("a", list(range(50_000, 50_100)), cached=0, now=10.0)  # traffic, for a turnover
@@ -68,7 +68,7 @@ def test_a_kept_prefix_is_due_after_its_share_of_the_turnover_until_it_is_forgot
     k = keeper(refresh_share=0.5)
     k.due(0.0)
     k.observe("a", [1, 2, 3], cached=0, now=0.0)
-    k.observe("a", [1, 2, 3], cached=3, now=0.0, payload="the request")
+    k.observe("a", [1, 2, 3], cached=3, now=0.0, payload=lambda: "the request")
     due_at = {}
     fresh = 1000
     for second in range(1, 16):
@@ -99,7 +99,7 @@ def test_a_backend_whose_capacity_is_gone_keeps_nothing():
     capacities = {"a": CAPACITY}
     k = Keeper(0.5, 0.5, capacities.get, seen_blocks=1000)
     k.observe("a", [1, 2, 3], cached=0, now=0.0)
-    k.observe("a", [1, 2, 3], cached=3, now=0.0, payload="a request")
+    k.observe("a", [1, 2, 3], cached=3, now=0.0, payload=lambda: "a request")
     assert k.kept_blocks("a") == 3
     del capacities["a"]  # the backend was removed: its kept prefixes (and payloads) go
     assert k.due(1.0) == [] and k.kept_blocks("a") == 0

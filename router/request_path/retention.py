@@ -14,7 +14,7 @@ would be the prefix's whole prefill, so the prefix stops being kept instead. At 
 token, but waits in its engine's queue like any request, and a loaded fleet needs a refresh
 for every other request or so (the policy's four would have let through a quarter of them, in
 the first live run). One over the limit is skipped and falls due again a period later.
-``kvroute_refreshes_total`` counts the refreshes sent, ``kvroute_warmups_total`` how each
+``kvroute_refreshes_total`` counts the refreshes started, ``kvroute_warmups_total`` how each
 ended. What refreshes are worth: docs/benchmarks/2026-12-07-routing-at-head.md.
 """
 
@@ -103,7 +103,10 @@ class Refresher:
         prompt a warm-up can cut to a prefix is kept: a chat's messages, a completion's text."""
         if not view.chain or not cuttable(routable):
             return
-        resend = _Resend(Replay.of(request), routable, view, context.id, context.upstream_headers)
+
+        def resend() -> _Resend:
+            return _Resend(Replay.of(request), routable, view, context.id, context.upstream_headers)
+
         self.keeper.observe(backend, view.chain, cached_blocks, time.monotonic(), resend)
 
     async def _run(self) -> None:

@@ -61,19 +61,19 @@ def leading_part(routable: RoutableRequest, keyer: Keyer, wanted: list[int]) -> 
     """The request cut to the fewest whole messages (chat) or characters (a completion's text
     prompt) whose chain starts with ``wanted``, the first blocks of the request's own chain;
     None where it cannot be cut so (other endpoints, a prompt of token ids or several prompts)."""
+    if not cuttable(routable):
+        return None
     document = routable.document
     blocks = len(wanted)
     if routable.endpoint == CHAT:
-        messages = document.get("messages")
-        if not isinstance(messages, list):
-            return None
+        messages: list[Any] = document["messages"]
 
         def cut(n: int) -> RoutableRequest:
             part = {**document, "messages": messages[:n]}
             return replace(routable, document=part, prompt=chat_prompt(part))
 
         size = len(messages)
-    elif routable.endpoint == COMPLETIONS and isinstance(document.get("prompt"), str):
+    else:
         text: str = document["prompt"]
 
         def cut(n: int) -> RoutableRequest:
@@ -81,8 +81,6 @@ def leading_part(routable: RoutableRequest, keyer: Keyer, wanted: list[int]) -> 
             return replace(routable, document=part, prompt=text[:n].encode())
 
         size = len(text)
-    else:
-        return None
     low, high = 1, size  # the whole request covers the prefix; find the fewest units that do
     while low < high:
         middle = (low + high) // 2
