@@ -41,10 +41,11 @@ from pathlib import Path
 
 import aiohttp
 
-from loadtest.bench_routing import _consecutive_free_ports, _kvroute_bin, start_serving
+from loadtest.bench_routing import _kvroute_bin, start_serving
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import Contender, free_port
+from loadtest.contenders import Contender
 from loadtest.help_format import DefaultsHelpFormatter
+from loadtest.ports import free_port, free_ports
 from loadtest.report import busiest_share, format_table, mean, percentile, ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.trace import DEFAULT_TRACE, prompt_messages, read_trace
@@ -116,7 +117,7 @@ def chat_jobs(conversations: int, rate: float, think_s: float, max_tokens: int, 
 
 
 def _fleet(setup: Setup, pd: bool) -> tuple[Contender, list[str]]:
-    base = _consecutive_free_ports(setup.engines)
+    base = free_ports(setup.engines)
     command = [_kvroute_bin(), "sim", "--port", str(base)]
     command += ["--kv-blocks", str(setup.capacity_tokens // EngineTiming().block_tokens)]
     if pd:

@@ -55,7 +55,8 @@ import aiohttp
 import orjson
 
 from loadtest.bench_routing import Bench, load_requests
-from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, cpu_seconds, free_port, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, cpu_seconds, sglang, wait_listening
+from loadtest.ports import free_port
 from loadtest.report import format_table, mean, percentile, ratio
 from loadtest.sim.engine import SimEngine
 from loadtest.sim.timing import EngineTiming

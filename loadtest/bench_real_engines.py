@@ -40,8 +40,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.bench_routing import wait_serving
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import Contender, free_port, sglang, wait_listening
+from loadtest.contenders import Contender, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
+from loadtest.ports import free_port
 from loadtest.report import Latencies, format_table, ratio
 from loadtest.trace import DEFAULT_TRACE, TRACE_BLOCK_TOKENS, TraceRequest, read_trace
 from loadtest.vllm_replicas import (

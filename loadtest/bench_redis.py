@@ -62,7 +62,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest.client import Result, stream_chat
 from loadtest.contenders import cpu_list
-from loadtest.redis_server import RedisServer, free_port
+from loadtest.ports import free_port
+from loadtest.redis_server import RedisServer
 from loadtest.report import format_table, percentile, summarize
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming

@@ -27,7 +27,6 @@ import asyncio
 import contextlib
 import math
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -39,8 +38,9 @@ import aiohttp
 
 from loadtest import workloads
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, free_port, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
+from loadtest.ports import free_port, free_ports
 from loadtest.report import Latencies, busiest_share, format_table, ratio, request_hit_ratio
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, bounds, load_source, simulate
@@ -101,29 +101,12 @@ def load_requests(bench: Bench) -> list[TraceRequest]:
     return workloads.fresh_ids(requests) if bench.no_reuse else requests
 
 
-def _consecutive_free_ports(count: int) -> int:
-    """A base port with ``count`` free ports from it (``kvroute sim`` listens on consecutive ones)."""
-    for _ in range(50):
-        base = free_port()
-        if base + count >= 65535:
-            continue
-        with contextlib.ExitStack() as stack:
-            try:
-                for port in range(base, base + count):
-                    sock = stack.enter_context(socket.socket())
-                    sock.bind(("127.0.0.1", port))
-            except OSError:
-                continue
-        return base
-    raise RuntimeError(f"no {count} consecutive free ports")
-
-
 def _kvroute_bin() -> str:
     return shutil.which("kvroute") or str(Path(sys.executable).with_name("kvroute"))
 
 
 def _engines(bench: Bench, workdir: Path) -> tuple[Contender, list[str]]:
-    base = _consecutive_free_ports(bench.engines)
+    base = free_ports(bench.engines)
     kv_blocks = bench.capacity_tokens // EngineTiming().block_tokens
     command = [_kvroute_bin(), "sim", "--engines", str(bench.engines), "--port", str(base)]
     command += ["--kv-blocks", str(kv_blocks)]

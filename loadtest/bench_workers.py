@@ -52,6 +52,7 @@ import orjson
 from loadtest import contenders as procs
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.overhead import request_bodies, wait_routable
+from loadtest.ports import free_port
 from loadtest.programs import require
 from loadtest.redis_server import RedisServer
 from loadtest.report import format_table
@@ -181,7 +182,7 @@ def workers_table(groups: Sequence[Group]) -> tuple[list[str], list[list[object]
 
 def run(args: argparse.Namespace, workdir: Path) -> list[Group]:
     bodies = write_bodies(workdir / "bodies.jsonl", request_bodies(False))
-    ports = [procs.free_port() for _ in range(args.backends)]
+    ports = [free_port() for _ in range(args.backends)]
     urls = [f"http://127.0.0.1:{port}" for port in ports]
     backends = procs.nginx_null_backends(workdir, ports, args.harness_cpu)
     if backends.missing:

@@ -21,17 +21,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from loadtest.null_backend import COMPLETION, GET_BODIES, GET_CONTENT_TYPES, MODEL
+from loadtest.ports import free_port
 
 #: A benchmarked router's admin listener: loopback, any free port (routers run side by side).
 ADMIN_ON_ANY_PORT = "admin: {listen: {host: 127.0.0.1, port: 0}}"
 #: The same for ``--workers N``, whose processes all bind one admin port: a free one, fixed.
 ADMIN_ON_A_FREE_PORT = "admin: {{listen: {{host: 127.0.0.1, port: {port}}}}}"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def cpu_list(spec: str) -> set[int]:

@@ -62,6 +62,7 @@ from loadtest import contenders as procs
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.httpload import Client, Sample, Throughput, build_request
 from loadtest.null_backend import MODEL, STREAM_CHUNKS
+from loadtest.ports import free_port
 from loadtest.redis_server import RedisServer
 from loadtest.report import format_table, percentile
 from router.tasks import run_event_loop
@@ -333,7 +334,7 @@ def print_profile(contender: str, path: Path, limit: int = 15) -> None:
 
 
 async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
-    backend_ports = [procs.free_port() for _ in range(args.backends)]
+    backend_ports = [free_port() for _ in range(args.backends)]
     backend_urls = [f"http://127.0.0.1:{p}" for p in backend_ports]
     backends = procs.Contender(
         "null backends", backend_ports[0], procs.null_backends(backend_ports, args.harness_cpu)

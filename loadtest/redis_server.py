@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -18,19 +17,10 @@ from pathlib import Path
 
 import redis
 
+from loadtest.ports import free_port
 from loadtest.programs import require
 
 REDIS_SERVER = "redis-server"
-
-
-def free_port(below: int = 65536) -> int:
-    """A free loopback port under ``below`` (a Cluster node also listens on its port + 10000)."""
-    while True:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            port = s.getsockname()[1]
-        if port < below:
-            return port
 
 
 def wait_until_up(

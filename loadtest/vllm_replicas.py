@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -32,6 +31,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from loadtest.ports import free_port
 
 #: Where setup.sh puts the engine and the model, relative to the project's root.
 ROOT = Path(__file__).resolve().parents[1]
@@ -54,12 +55,6 @@ def engine_model() -> Path:
 def engine_installed() -> bool:
     """Whether setup.sh has made the engine's environment and the model."""
     return engine_python().exists() and (engine_model() / "model.safetensors").exists()
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 class EngineFailed(RuntimeError):

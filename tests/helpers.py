@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import inspect
-import socket
 import subprocess
 import sys
 import time
@@ -21,8 +20,8 @@ import aiohttp
 import yaml
 from prometheus_client.parser import text_string_to_metric_families
 
+from loadtest.ports import free_port, free_ports
 from loadtest.programs import require
-from loadtest.redis_server import free_port
 from loadtest.sim.fleet import SimFleet
 from loadtest.sim.timing import EngineTiming
 from router.config import Config, config_from_dict
@@ -227,17 +226,7 @@ def kvroute(*args: str, log: Path | None = None) -> subprocess.Popen[bytes]:
 def free_port_pair() -> int:
     """A port P with P and P+1 free (the simulated fleet takes consecutive ports;
     a router its port and its admin listener the next)."""
-    for _ in range(50):
-        with socket.socket() as probe:
-            probe.bind(("127.0.0.1", 0))
-            port = probe.getsockname()[1]
-        try:
-            with socket.socket() as second:
-                second.bind(("127.0.0.1", port + 1))
-            return port
-        except OSError:
-            continue
-    raise RuntimeError("no two consecutive free ports")
+    return free_ports(2)
 
 
 def _timed_out(what: str, timeout: float, detail: Callable[[], object] | None) -> AssertionError:

@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import shutil
-import socket
 import tempfile
 import time
 from pathlib import Path
@@ -20,6 +19,7 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtest.ports import free_port
 from loadtest.programs import require
 
 BINARY = "prometheus"
@@ -27,12 +27,6 @@ BINARY = "prometheus"
 
 class PrometheusError(RuntimeError):
     """Prometheus did not start, or refused a query (the message is Prometheus's own)."""
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 class PrometheusServer:
@@ -51,7 +45,7 @@ class PrometheusServer:
         self.jobs = jobs
         self.scrape_interval_s = scrape_interval_s
         self.labels = labels or {}
-        self.port = _free_port()
+        self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self._dir: Path | None = None
         self._process: asyncio.subprocess.Process | None = None

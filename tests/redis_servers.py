@@ -14,8 +14,9 @@ from pathlib import Path
 
 import redis
 
+from loadtest.ports import ephemeral_start, free_port
 from loadtest.programs import require
-from loadtest.redis_server import REDIS_SERVER, RedisServer, free_port, redis_server, wait_until_up
+from loadtest.redis_server import REDIS_SERVER, RedisServer, redis_server, wait_until_up
 
 REDIS_CLI = "redis-cli"
 
@@ -66,9 +67,9 @@ class RedisSentinel:
 
 
 def _cluster_port() -> int:
-    """A free port whose cluster bus port (port + 10000) is free too."""
+    """A free port whose cluster bus port (port + 10000) is free too, both below the ephemeral range."""
     while True:
-        port = free_port(below=55536)
+        port = free_port(below=ephemeral_start() - 10000)
         with socket.socket() as bus:
             try:
                 bus.bind(("127.0.0.1", port + 10000))

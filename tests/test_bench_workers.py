@@ -26,12 +26,13 @@ from loadtest.bench_workers import (
 from loadtest.httpload import Client, build_request
 from loadtest.null_backend import COMPLETION, GET_BODIES
 from loadtest.overhead import request_bodies
+from loadtest.ports import free_port
 
 
 @pytest.fixture
 def nginx_port(tmp_path: Path):
     tmp_path.chmod(0o755)  # nginx's worker runs as nobody
-    port = procs.free_port()
+    port = free_port()
     backends = procs.nginx_null_backends(tmp_path, [port], cpus=None)
     if backends.missing:
         pytest.fail(f"{backends.missing} (scripts/test installs it)")
@@ -119,7 +120,7 @@ def test_wrk_refuses_an_empty_bodies_file(nginx_port: int, tmp_path: Path) -> No
 def test_parse_wrk_fails_with_wrks_own_words_when_nothing_listens(tmp_path: Path) -> None:
     bodies = write_bodies(tmp_path / "bodies.jsonl", request_bodies(False, 1))
     refused = subprocess.run(
-        wrk_command(procs.free_port(), 1, 1, bodies, ""), capture_output=True, text=True, timeout=30
+        wrk_command(free_port(), 1, 1, bodies, ""), capture_output=True, text=True, timeout=30
     )
     with pytest.raises(ValueError, match="unable to connect"):
         parse_wrk(refused.stdout + refused.stderr)
@@ -185,4 +186,4 @@ def test_cpu_lists_are_read_as_taskset_reads_them() -> None:
 def test_an_answer_nginx_would_change_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setitem(procs.GET_BODIES, b"/health", b'{"host": "$host"}')
     with pytest.raises(ValueError, match="containing '\\$' literally"):
-        procs.nginx_null_backends(tmp_path, [procs.free_port()], cpus=None)
+        procs.nginx_null_backends(tmp_path, [free_port()], cpus=None)

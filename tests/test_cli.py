@@ -190,12 +190,6 @@ def test_sim_publishes_kv_events_when_asked(processes, kind, discovery):
         context.term()
 
 
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
-
-
 def chat(router: str) -> str:
     """One chat completion through the router; the backend that answered."""
     request = urllib.request.Request(

@@ -22,8 +22,8 @@ from typing import Any
 import aiohttp
 import yaml
 
+from loadtest.ports import free_port
 from tests.helpers import backends_of, scrape, total, wait_for
-from tests.redis_servers import free_port
 
 #: Descriptors the router process may open: a few dozen for itself, the rest for connections.
 NOFILE = 128

@@ -15,7 +15,7 @@ import aiohttp
 import zmq
 import zmq.asyncio
 
-from loadtest.vllm_replicas import free_port
+from loadtest.ports import free_port
 from tests.fault_engine import MODEL
 from tests.helpers import MakeRouter, scrape, total, wait_for
 

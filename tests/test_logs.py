@@ -7,7 +7,6 @@ fields (JSON keys of their own with ``logging.format: json``); probes are not ac
 from __future__ import annotations
 
 import json
-import socket
 import subprocess
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -18,17 +17,12 @@ import aiohttp
 import pytest
 import yaml
 
+from loadtest.ports import free_port
 from loadtest.sim.engine import SimEngine
 from tests.helpers import FAST, wait_for
 
 MODEL = "sim-model"
 DOCUMENT = "A long shared system prompt for the access log test. " * 20
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 
 
 @pytest.fixture

@@ -11,13 +11,14 @@ import subprocess
 import aiohttp
 import yaml
 
+from loadtest.ports import free_port
 from loadtest.programs import require
 from router.config import config_from_dict
 from router.http.server import RouterServer
 from router.http.worker_metrics import WorkerGroup
 from router.metrics import CIRCUIT_STATES
 from tests.helpers import admin_on_free_port, backends_of, kvroute, scrape, total, wait_for
-from tests.redis_servers import free_port, redis_server
+from tests.redis_servers import redis_server
 
 MODEL = "sim-model"
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "hello " * 50}], "max_tokens": 2}

@@ -8,6 +8,7 @@ import signal
 import aiohttp
 import pytest
 
+from loadtest.ports import free_port
 from router.config import config_from_dict
 from router.http.processes import refusal
 from tests.helpers import (
@@ -19,7 +20,7 @@ from tests.helpers import (
     wait_for,
     write_workers_config,
 )
-from tests.redis_servers import free_port, redis_server
+from tests.redis_servers import redis_server
 
 MODEL = "sim-model"
 

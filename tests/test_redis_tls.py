@@ -7,8 +7,9 @@ from pathlib import Path
 
 import pytest
 
+from loadtest.ports import free_port
 from tests.helpers import make_certificates, open_index, sample
-from tests.redis_servers import RedisServer, free_port, redis_server
+from tests.redis_servers import RedisServer, redis_server
 
 
 @pytest.fixture(scope="module")

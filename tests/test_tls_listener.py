@@ -17,10 +17,10 @@ import openai
 import pytest
 import yaml
 
+from loadtest.ports import free_port
 from router.config import ConfigError, config_from_dict
 from tests.certificates import Authority
 from tests.helpers import backends_of, wait_for
-from tests.redis_servers import free_port
 
 MODEL = "sim-model"
 

@@ -11,6 +11,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
+from loadtest.ports import free_port
 from loadtest.sim.fleet import SimFleet
 from router.config import config_from_dict
 from router.fleet.worker_sync import Message
@@ -31,7 +32,6 @@ from tests.helpers import (
 from tests.helpers import (
     chat_after_system as chat,
 )
-from tests.redis_servers import free_port
 
 
 async def backends_seen(http: aiohttp.ClientSession, router: RouterServer) -> dict[str, dict]:

@@ -12,10 +12,10 @@ import aiohttp
 import yaml
 from openai import AsyncOpenAI
 
+from loadtest.ports import free_port
 from loadtest.vllm_replicas import BLOCK_SIZE, VllmReplica
 from tests.helpers import kvroute, scrape, total, wait_every_worker_answers
 from tests.real_engines.traffic import Conversation, backends, in_rotation
-from tests.redis_servers import free_port
 
 
 async def test_two_workers_keep_each_conversation_on_its_replica(
