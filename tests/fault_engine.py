@@ -6,6 +6,8 @@ generation requests get:
 
 * ``ok``: a normal answer (a stream of ``chunks`` SSE events, or one JSON body).
 * ``hang``: headers never come; the request waits until the client gives up.
+* ``hang_unstreamed``: ``hang`` for requests that ask for no stream (the router's own warm-ups
+  and refreshes never do), ``ok`` for the rest.
 * ``status``: ``status`` (e.g. 503, 500, 400) with an OpenAI-shaped error body.
 * ``die_mid_stream``: a few SSE events, then the connection is dropped.
 * ``stall_mid_stream``: a few SSE events, then silence until ``release`` is set.
@@ -19,6 +21,7 @@ import asyncio
 import json
 
 from aiohttp import web
+from multidict import CIMultiDictProxy
 
 MODEL = "fault-model"
 
@@ -34,13 +37,18 @@ class FaultEngine:
         self.received = 0
         #: Each request body received, in order.
         self.json_bodies: list[dict] = []
-        #: Each request's ``X-Request-Id``, in order.
-        self.request_ids: list[str | None] = []
+        #: Each request's headers, in order.
+        self.headers: list[CIMultiDictProxy[str]] = []
         self.open = 0
         #: Set to let ``hang``/slow streams finish.
         self.release = asyncio.Event()
         self.url = ""
         self._runner: web.AppRunner | None = None
+
+    @property
+    def request_ids(self) -> list[str | None]:
+        """Each request's ``X-Request-Id``, in order."""
+        return [headers.get("X-Request-Id") for headers in self.headers]
 
     async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
         app = web.Application()
@@ -73,10 +81,10 @@ class FaultEngine:
         body = await request.json()
         self.received += 1
         self.json_bodies.append(body)
-        self.request_ids.append(request.headers.get("X-Request-Id"))
+        self.headers.append(request.headers)
         self.open += 1
         try:
-            if self.mode == "hang":
+            if self.mode == "hang" or (self.mode == "hang_unstreamed" and not body.get("stream")):
                 await self.release.wait()
             if self.mode == "status":
                 error = {"message": f"{self.name} says {self.status}", "type": "error", "code": self.status}
