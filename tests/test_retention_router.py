@@ -212,3 +212,30 @@ async def test_stopping_the_router_cancels_the_refreshes_in_flight(
     assert router.app[METRICS].registry.get_sample_value("kvroute_warmups_total", failed) == 1
     (backend,) = router.app[POOL]
     assert (backend.in_flight, backend.pending_prefill_tokens, backend.pending_prefill_requests) == (0, 0, 0)
+
+
+async def test_a_reloaded_first_byte_timeout_applies_to_refreshes(
+    engines, deploy, http: aiohttp.ClientSession
+) -> None:
+    engine, _ = engines
+    config = {
+        "listen": {"host": "127.0.0.1", "port": 0},
+        "backends": [{**b, "capacity_blocks": CAPACITY} for b in backends([engine])],
+        "routing": {"retention": RETENTION},
+        "admin": {"key": "admin-0123456789"},
+        "upstream": {"first_byte_timeout_s": 120},
+    }
+    deployment = await deploy(config)
+    url = deployment.server.url
+    await ask(http, url, turn("Who fixes the roof?"))
+    await ask(http, url, turn("Who fixes the roof?", "And the garden?"))
+    deployment.write({**config, "upstream": {"first_byte_timeout_s": 0.5}})
+    status, payload = await deployment.reload(http, {"Authorization": "Bearer admin-0123456789"})
+    assert status == 200, payload
+    engine.mode = "hang_unstreamed"
+
+    async def timed_out() -> bool:
+        return await counted(http, url, "kvroute_warmups_total", backend=engine.name, outcome="failed") >= 1
+
+    await churn_until(http, url, timed_out, "refresh given up after the reloaded timeout")
+    await wait_for(lambda: engine.open == 0, what="the timed-out refresh's connection closed")

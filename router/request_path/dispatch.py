@@ -120,8 +120,7 @@ class Dispatcher:
             refreshes = Warmups(
                 self.books, proxy, metrics, self.keyer, in_flight=REFRESHES_IN_FLIGHT, suffix="refresh"
             )
-            timeout = config.upstream.first_byte_timeout_s
-            self.refresher = Refresher(retention, pool, index, refreshes, metrics, timeout)
+            self.refresher = Refresher(retention, pool, index, refreshes, metrics, self._first_byte_timeout_s)
 
     def start(self) -> None:
         """At start, in the event loop: the refresher's task."""
@@ -133,6 +132,10 @@ class Dispatcher:
         if self.refresher is not None:
             await self.refresher.close()
         await self.warmups.close()
+
+    def _first_byte_timeout_s(self) -> float:
+        """The running config's, read at each use: a reload's applies at once."""
+        return self.config.upstream.first_byte_timeout_s
 
     @property
     def policy(self) -> RoutingPolicy:
@@ -246,6 +249,11 @@ class Dispatcher:
                 if decision.warmup is not None:
                     self._warm(request, routable, view, decision, candidates, context, timeout)
                 if self.refresher is not None and route.prefix_routed:
+                    # At the first pick, not once served: an engine's LRU order is set when it
+                    # takes the prompt, and at tight capacity its turnover is a few seconds, so a
+                    # refresh timed from the response's end comes after the eviction (measured:
+                    # half the refreshes, 6.5 % hit against 6.9 %). A retry's prefix stays kept on
+                    # the backend that failed, refreshed there while the index believes it cached.
                     cached = route.matches.get(backend.name, 0)
                     self.refresher.observe(request, routable, view, backend.name, cached, context)
             try:

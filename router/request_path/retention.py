@@ -23,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from aiohttp import web
@@ -70,9 +71,10 @@ class Refresher:
         index: PrefixIndex,
         warmups: Warmups,
         metrics: RouterMetrics,
-        timeout_s: float,
+        timeout_s: Callable[[], float],
     ) -> None:
-        """``warmups`` sends the refreshes: its own, with an ``IN_FLIGHT`` limit."""
+        """``warmups`` sends the refreshes: its own, with an ``IN_FLIGHT`` limit; ``timeout_s()``
+        is the first byte's timeout, asked at each refresh (a reload changes it)."""
         self.keeper = Keeper(config.refresh_share, config.kept_share, index.capacity_of, SEEN_BLOCKS)
         self.pool = pool
         self.index = index
@@ -135,6 +137,6 @@ class Refresher:
             context = RequestContext(payload.request_id, time.perf_counter(), payload.upstream_headers)
             warmup = Warmup(backend_name, len(prefix))
             if self.warmups.start(
-                payload.replay, payload.routable, payload.view, backend, warmup, context, self.timeout_s
+                payload.replay, payload.routable, payload.view, backend, warmup, context, self.timeout_s()
             ):
                 self.metrics.refreshes.labels(backend_name).inc()
