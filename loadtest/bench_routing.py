@@ -31,10 +31,11 @@ import sys
 import tempfile
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import aiohttp
+from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import workloads
 from loadtest.client import Result, stream_chat
@@ -90,6 +91,14 @@ class Row:
     wall_s: float
     #: Requests each engine received, from its /sim/stats.
     received: list[int]
+    #: Prompt tokens the engines computed (not found cached), over the fleet.
+    prefilled: int = 0
+    #: CPU seconds the router's and the engines' processes spent over the replay.
+    router_cpu_s: float = 0.0
+    engines_cpu_s: float = 0.0
+    #: kvroute's warm-ups (refreshes included) by outcome, and its refreshes started.
+    warmups: dict[str, float] = field(default_factory=dict)
+    refreshes: float = 0.0
     missing: str | None = None
 
 
@@ -170,13 +179,57 @@ async def _replay(url: str, requests: Sequence[TraceRequest], bench: Bench) -> l
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-async def _received(urls: Sequence[str]) -> list[int]:
+@dataclass(frozen=True)
+class _Counts:
+    """The engines' counters at one moment (``GET /sim/stats``) and the processes' CPU time."""
+
+    received: list[int]
+    prefilled: int
+    router_cpu_s: float
+    engines_cpu_s: float
+
+    def since(self, before: _Counts) -> _Counts:
+        return _Counts(
+            [n - b for n, b in zip(self.received, before.received, strict=True)],
+            self.prefilled - before.prefilled,
+            self.router_cpu_s - before.router_cpu_s,
+            self.engines_cpu_s - before.engines_cpu_s,
+        )
+
+
+async def _warmups(url: str) -> tuple[dict[str, float], float]:
+    """The router's warm-ups by outcome and refreshes started, from its ``/metrics``."""
+    outcomes: dict[str, float] = {}
+    refreshes = 0.0
+    async with aiohttp.ClientSession() as session, session.get(f"{url}/metrics") as resp:
+        text = await resp.text()
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == "kvroute_warmups_total":
+                outcome = sample.labels["outcome"]
+                outcomes[outcome] = outcomes.get(outcome, 0.0) + sample.value
+            elif sample.name == "kvroute_refreshes_total":
+                refreshes += sample.value
+    return outcomes, refreshes
+
+
+async def _stats(urls: Sequence[str]) -> list[dict[str, int]]:
     async with aiohttp.ClientSession() as session:
-        counts = []
+        stats = []
         for url in urls:
             async with session.get(f"{url}/sim/stats") as resp:
-                counts.append(int((await resp.json())["received"]))
-        return counts
+                stats.append(await resp.json())
+        return stats
+
+
+def _counts(urls: Sequence[str], router: Contender, engines: Contender) -> _Counts:
+    stats = asyncio.run(_stats(urls))
+    return _Counts(
+        [int(s["received"]) for s in stats],
+        sum(int(s["prompt_tokens"]) - int(s["cached_tokens"]) for s in stats),
+        router.cpu_seconds(),
+        engines.cpu_seconds(),
+    )
 
 
 def start_serving(engines: Contender, count: int, router: Contender, workdir: Path) -> str:
@@ -199,12 +252,14 @@ def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], wor
         return Row(name, [], 0.0, [], missing=router.missing)
     try:
         url = start_serving(engines, bench.engines, router, workdir)
-        warm = asyncio.run(_received(urls))
+        before = _counts(urls, router, engines)
         started = time.perf_counter()
         results = asyncio.run(_replay(url, requests, bench))
         wall = time.perf_counter() - started
-        received = [n - w for n, w in zip(asyncio.run(_received(urls)), warm, strict=True)]
-        return Row(router.name, results, wall, received)
+        run = _counts(urls, router, engines).since(before)
+        cpu = (run.router_cpu_s, run.engines_cpu_s)
+        warmups, refreshes = asyncio.run(_warmups(url)) if name != "sglang" else ({}, 0.0)
+        return Row(router.name, results, wall, run.received, run.prefilled, *cpu, warmups, refreshes)
     except RuntimeError as exc:
         return Row(router.name, [], 0.0, [], missing=f"{exc}; {router.log_tail() or engines.log_tail()}")
     finally:
@@ -228,6 +283,31 @@ def figures(row: Row) -> Figures:
         throughput=ok / row.wall_s if row.wall_s else math.nan,
         share=busiest_share(row.received),
     )
+
+
+def print_work(rows: Sequence[Row], requests: int) -> None:
+    """What each contender cost the fleet beyond the clients' requests (kvroute's warm-ups and
+    refreshes), and the CPU each side spent: on this machine the router, the engines and the
+    client share the cores, so work that virtual time counts as free still costs latency here."""
+    table = []
+    for row in rows:
+        if row.missing:
+            continue
+        clients_prefill = sum(r.prompt_tokens - r.cached_tokens for r in row.results if r.ok)
+        table.append(
+            [
+                row.name,
+                f"{(sum(row.received) - requests) / requests:.2f}",
+                f"{row.prefilled / clients_prefill - 1:+.1%}" if clients_prefill else "-",
+                f"{row.refreshes:.0f}",
+                " ".join(f"{outcome} {n:.0f}" for outcome, n in sorted(row.warmups.items())) or "-",
+                f"{row.router_cpu_s:.1f}",
+                f"{row.engines_cpu_s:.1f}",
+            ]
+        )
+    heads = ["work", "engine requests beyond clients' per request", "engine prefill beyond clients'"]
+    heads += ["refreshes", "warm-ups by outcome", "router CPU s", "engines CPU s"]
+    print(format_table(heads, table))
 
 
 def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[Row]) -> None:
@@ -257,14 +337,7 @@ def print_report(bench: Bench, requests: Sequence[TraceRequest], rows: Sequence[
     for row in rows:
         if row.missing:
             print(f"{row.name} not run: {row.missing}")
-    # What the engines received beyond the clients' requests: kvroute's warm-ups and refreshes.
-    extra = [
-        f"{row.name} {(sum(row.received) - len(requests)) / len(requests):.2f}"
-        for row in rows
-        if not row.missing and row.received and sum(row.received) > len(requests)
-    ]
-    if extra:
-        print("engine requests beyond the clients', per client request: " + "; ".join(extra))
+    print_work(rows, len(requests))
 
     model = FleetModel(
         engines=bench.engines,
