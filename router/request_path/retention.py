@@ -42,8 +42,13 @@ from router.tasks import stop_task
 
 log = logging.getLogger("kvroute.retention")
 
-#: How often the refreshes due are looked for, in seconds.
-CHECK_S = 0.5
+#: How often the refreshes due are looked for, in seconds: as kvroute simulate does. At tight
+#: capacity an engine's turnover is a few seconds and a refresh is due after half of it, so
+#: 0.5 s let a due prefix wait a tenth of its period (the Mooncake 20 min, 8 engines of 200k:
+#: hit 7.0 % -> 7.2-7.3 %, TTFT 1.08x -> 1.02-1.04x the router without refreshes). Each check
+#: walks every kept prefix: 1.5 ms per 10,000 (16 engines of a million tokens hold ~6,000
+#: prefixes of 20 blocks; 62,000 of two blocks, the most, took 9.6 ms a check).
+CHECK_S = 0.1
 #: Refreshes in flight at most.
 IN_FLIGHT = 64
 #: Blocks the keeper remembers as asked for (to tell a prefix that comes back from one seen
