@@ -65,6 +65,8 @@ from policies.types import Outcome as AttemptOutcome
 from router.index import MemoryIndex
 from router.redis.settings import RedisConfig
 from router.request_path.beliefs import ClosedLoop, Prediction
+from router.request_path.retention import IN_FLIGHT as REFRESHES_IN_FLIGHT
+from router.request_path.warmup import MAX_IN_FLIGHT as WARMUPS_IN_FLIGHT
 
 #: How often the keeper looks for refreshes due, in the simulation's seconds.
 KEEPER_CHECK_S = 0.1
@@ -169,6 +171,25 @@ class _Job:
     prefill_start: float = 0.0
     first_token: float = 0.0
     finish_step: int = 0
+    #: A warm-up's place among those in flight, given back when it finishes.
+    warm_slot: tuple[_InFlight, tuple[str, int]] | None = None
+
+
+@dataclass
+class _InFlight:
+    """Warm-ups of one kind in flight, limited as the router limits them
+    (router/request_path/warmup.py): one per backend and prefix, ``limit`` in all; the rest are
+    skipped (a refresh falls due again a period later)."""
+
+    limit: int
+    pending: set[tuple[str, int]] = field(default_factory=set)
+
+    def take(self, backend: str, prefix: list[int]) -> tuple[str, int] | None:
+        key = (backend, prefix[-1])
+        if key in self.pending or len(self.pending) >= self.limit:
+            return None
+        self.pending.add(key)
+        return key
 
 
 @dataclass(frozen=True)
@@ -392,6 +413,9 @@ class Simulation:
         capacity_blocks = model.capacity_tokens // model.block_tokens
         #: The keeper's refreshes sent.
         self.refreshes = 0
+        #: The policy's warm-ups and the keeper's refreshes in flight, each kind with its limit.
+        self._warming = _InFlight(WARMUPS_IN_FLIGHT)
+        self._refreshing = _InFlight(REFRESHES_IN_FLIGHT)
         #: Blocks the keeper remembers as asked for: four times the fleet's memory.
         seen_blocks = 4 * model.engines * capacity_blocks
         self.keeper = (
@@ -445,9 +469,9 @@ class Simulation:
             if replica.index.match_now(chain).get(backend, 0) < len(chain):
                 self.keeper.forget(backend, prefix)
                 continue
-            self.refreshes += 1
             view = self._view(chain, len(chain) * self.model.block_tokens + 1, max_tokens=1)
-            self._warm(replica, backend, chain, view)
+            if self._warm(replica, backend, chain, view, self._refreshing):
+                self.refreshes += 1
         self.schedule(now + KEEPER_CHECK_S, self._refresh)
 
     def _publish(self, replica: _Replica, now: float) -> None:
@@ -506,7 +530,7 @@ class Simulation:
         if self.keeper is not None and uses_index and chain:
             self.keeper.observe(decision.backend, chain, matches.get(decision.backend, 0), self.now)
         if decision.warmup is not None and uses_index:
-            self._warm(replica, decision.warmup.backend, chain[: decision.warmup.blocks], view)
+            self._warm(replica, decision.warmup.backend, chain[: decision.warmup.blocks], view, self._warming)
         if riding and uses_index and chain:
             # The pick's write leaves at once and carries the replica's counts.
             self.schedule(self.now + model.belief_delay_s, lambda now: self._publish(replica, now))
@@ -542,9 +566,15 @@ class Simulation:
         replica.prefilling[job.backend] += 1
         self.engines[job.backend].submit(job, self.now)
 
-    def _warm(self, replica: _Replica, backend: str, prefix: list[int], view: RequestView) -> None:
+    def _warm(
+        self, replica: _Replica, backend: str, prefix: list[int], view: RequestView, slots: _InFlight
+    ) -> bool:
         """The router's warm-up (or refresh): ``prefix`` and one output token to ``backend``,
-        believed at the pick like any request; it has no outcome of its own."""
+        believed at the pick like any request; it has no outcome of its own. False: skipped,
+        as the router skips one beyond ``slots``' limit."""
+        key = slots.take(backend, prefix)
+        if key is None:
+            return False
         self.warmups += 1
         block_tokens = self.model.block_tokens
         prompt_tokens = len(prefix) * block_tokens + 1
@@ -561,9 +591,11 @@ class Simulation:
             kv_blocks=-(-(prompt_tokens + 1) // self.model.timing.block_tokens),
             predicted_blocks=matched,
             pending_tokens=prompt_tokens - matched * block_tokens,
+            warm_slot=(slots, key),
         )
         self._believe(replica, backend, prefix)
         self._submit(job)
+        return True
 
     def first_token(self, job: _Job) -> None:
         """The router sees the first byte: that request's prefill no longer queues anyone."""
@@ -572,8 +604,10 @@ class Simulation:
 
     def finished(self, job: _Job, now: float) -> None:
         job.replica.in_flight[job.backend] -= 1
-        if job.index < 0:
-            return  # a warm-up: no client waits for it
+        if job.warm_slot is not None:  # a warm-up: no client waits for it
+            slots, key = job.warm_slot
+            slots.pending.discard(key)
+            return
         reported = None
         closed_loop = job.replica.closed_loop
         if closed_loop is not None and job.prediction is not None:

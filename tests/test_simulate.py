@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.cli import main
+from loadtest import simulate as simulate_module
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, Simulation, bounds, load_source, simulate
 from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
@@ -381,6 +382,20 @@ def test_the_keeper_keeps_a_returning_conversation_cached_through_the_scans() ->
     assert all(o.cached_tokens <= 512 for o, turn in zip(off_outcomes, is_turn, strict=True) if turn)
     found = [o.cached_tokens for o, turn in zip(on_outcomes, is_turn, strict=True) if turn]
     assert min(found[2:]) > 2 * 512
+
+
+def test_refreshes_beyond_the_routers_limit_are_skipped_as_live(monkeypatch) -> None:
+    """Virtual time applies the router's limits on warm-ups in flight (router/request_path/warmup.py):
+    with none allowed the keeper still finds refreshes due, and none is sent."""
+    requests = _conversation_among_scans(turns=4)
+    model = FleetModel(engines=1, capacity_tokens=8 * 512, refresh_share=0.2)
+    _, allowed = simulate(requests, model, "latency")
+    monkeypatch.setattr(simulate_module, "REFRESHES_IN_FLIGHT", 0)
+    _, none = simulate(requests, model, "latency")
+    _, off = simulate(requests, replace(model, refresh_share=0.0), "latency")
+    assert allowed.refreshes_per_request is not None and allowed.refreshes_per_request > 0
+    assert none.refreshes_per_request == 0
+    assert none.hit_ratio == off.hit_ratio < allowed.hit_ratio
 
 
 # --- the command --------------------------------------------------------------------------------
