@@ -67,6 +67,7 @@ from router.redis.settings import RedisConfig
 from router.request_path.beliefs import ClosedLoop, Prediction
 from router.request_path.retention import IN_FLIGHT as REFRESHES_IN_FLIGHT
 from router.request_path.warmup import MAX_IN_FLIGHT as WARMUPS_IN_FLIGHT
+from router.request_path.warmup import InFlight
 
 #: How often the keeper looks for refreshes due, in the simulation's seconds.
 KEEPER_CHECK_S = 0.1
@@ -172,24 +173,7 @@ class _Job:
     first_token: float = 0.0
     finish_step: int = 0
     #: A warm-up's place among those in flight, given back when it finishes.
-    warm_slot: tuple[_InFlight, tuple[str, int]] | None = None
-
-
-@dataclass
-class _InFlight:
-    """Warm-ups of one kind in flight, limited as the router limits them
-    (router/request_path/warmup.py): one per backend and prefix, ``limit`` in all; the rest are
-    skipped (a refresh falls due again a period later)."""
-
-    limit: int
-    pending: set[tuple[str, int]] = field(default_factory=set)
-
-    def take(self, backend: str, prefix: list[int]) -> tuple[str, int] | None:
-        key = (backend, prefix[-1])
-        if key in self.pending or len(self.pending) >= self.limit:
-            return None
-        self.pending.add(key)
-        return key
+    warm_slot: tuple[InFlight, tuple[str, int]] | None = None
 
 
 @dataclass(frozen=True)
@@ -414,8 +398,8 @@ class Simulation:
         #: The keeper's refreshes sent.
         self.refreshes = 0
         #: The policy's warm-ups and the keeper's refreshes in flight, each kind with its limit.
-        self._warming = _InFlight(WARMUPS_IN_FLIGHT)
-        self._refreshing = _InFlight(REFRESHES_IN_FLIGHT)
+        self._warming = InFlight(WARMUPS_IN_FLIGHT)
+        self._refreshing = InFlight(REFRESHES_IN_FLIGHT)
         #: Blocks the keeper remembers as asked for: four times the fleet's memory.
         seen_blocks = 4 * model.engines * capacity_blocks
         self.keeper = (
@@ -567,12 +551,12 @@ class Simulation:
         self.engines[job.backend].submit(job, self.now)
 
     def _warm(
-        self, replica: _Replica, backend: str, prefix: list[int], view: RequestView, slots: _InFlight
+        self, replica: _Replica, backend: str, prefix: list[int], view: RequestView, slots: InFlight
     ) -> bool:
         """The router's warm-up (or refresh): ``prefix`` and one output token to ``backend``,
         believed at the pick like any request; it has no outcome of its own. False: skipped,
         as the router skips one beyond ``slots``' limit."""
-        key = slots.take(backend, prefix)
+        key = slots.take(backend, prefix[-1])
         if key is None:
             return False
         self.warmups += 1
@@ -606,7 +590,7 @@ class Simulation:
         job.replica.in_flight[job.backend] -= 1
         if job.warm_slot is not None:  # a warm-up: no client waits for it
             slots, key = job.warm_slot
-            slots.pending.discard(key)
+            slots.release(key)
             return
         reported = None
         closed_loop = job.replica.closed_loop

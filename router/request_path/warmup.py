@@ -24,7 +24,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from functools import partial
 from typing import Any
 
@@ -98,6 +98,27 @@ def warmup_body(part: RoutableRequest) -> bytes:
     return orjson.dumps(body)
 
 
+@dataclass(slots=True)
+class InFlight:
+    """Which warm-ups of one kind may start: one per backend and prefix (named by its last
+    block) in flight, ``limit`` in all; the rest are skipped. kvroute simulate applies the same."""
+
+    limit: int
+    #: (backend, the prefix's last block) of those in flight.
+    pending: set[tuple[str, int]] = field(default_factory=set)
+
+    def take(self, backend: str, last_block: int) -> tuple[str, int] | None:
+        """The warm-up's place, held until :meth:`release`; None: skip it."""
+        key = (backend, last_block)
+        if key in self.pending or len(self.pending) >= self.limit:
+            return None
+        self.pending.add(key)
+        return key
+
+    def release(self, key: tuple[str, int]) -> None:
+        self.pending.discard(key)
+
+
 @dataclass(frozen=True, slots=True)
 class _Job:
     """One warm-up to send: the request that asked for it, and where and how much to copy."""
@@ -128,10 +149,7 @@ class Warmups:
         self.metrics = metrics
         self.keyer = keyer
         self._tasks: set[asyncio.Task[str]] = set()
-        #: (backend, the prefix's last block) of the warm-ups in flight.
-        self._pending: set[tuple[str, int]] = set()
-        #: The most in flight at once; beyond, a warm-up is skipped.
-        self.in_flight = in_flight
+        self._in_flight = InFlight(in_flight)
         #: Appended to the id of the request it stems from: its own request id upstream.
         self.suffix = suffix
 
@@ -146,11 +164,11 @@ class Warmups:
         timeout: float,
     ) -> bool:
         """Send the warm-up in the background (True), or count it skipped (False)."""
-        key = (target.name, view.chain[warmup.blocks - 1]) if 0 < warmup.blocks <= len(view.chain) else None
-        if key is None or key in self._pending or len(self._tasks) >= self.in_flight:
+        fits = 0 < warmup.blocks <= len(view.chain)
+        key = self._in_flight.take(target.name, view.chain[warmup.blocks - 1]) if fits else None
+        if key is None:
             self.metrics.warmups.labels(target.name, "skipped").inc()
             return False
-        self._pending.add(key)
         job = _Job(request, routable, view, target, warmup, context, timeout)
         task = asyncio.create_task(self._run(job))
         self._tasks.add(task)
@@ -161,7 +179,7 @@ class Warmups:
         """Count the warm-up's outcome once and free its prefix, however its task ended
         (here and not in the task: a task cancelled before its first step runs none of it)."""
         self._tasks.discard(task)
-        self._pending.discard(key)
+        self._in_flight.release(key)
         outcome = "failed" if task.cancelled() else task.result()
         self.metrics.warmups.labels(backend, outcome).inc()
 
