@@ -85,17 +85,34 @@ class Bench:
 
 
 @dataclass(frozen=True)
+class Work:
+    """The engines' counters (``GET /sim/stats``) and the processes' CPU time: at one moment, or
+    over a replay (:meth:`since`)."""
+
+    #: Requests each engine received.
+    received: list[int] = field(default_factory=list)
+    #: Prompt tokens the engines computed (not found cached), over the fleet.
+    prefilled: int = 0
+    #: CPU seconds of the router's and the engines' processes.
+    router_cpu_s: float = 0.0
+    engines_cpu_s: float = 0.0
+
+    def since(self, before: Work) -> Work:
+        return Work(
+            [n - b for n, b in zip(self.received, before.received, strict=True)],
+            self.prefilled - before.prefilled,
+            self.router_cpu_s - before.router_cpu_s,
+            self.engines_cpu_s - before.engines_cpu_s,
+        )
+
+
+@dataclass(frozen=True)
 class Row:
     name: str
     results: list[Result]
     wall_s: float
-    #: Requests each engine received, from its /sim/stats.
-    received: list[int]
-    #: Prompt tokens the engines computed (not found cached), over the fleet.
-    prefilled: int = 0
-    #: CPU seconds the router's and the engines' processes spent over the replay.
-    router_cpu_s: float = 0.0
-    engines_cpu_s: float = 0.0
+    #: What the fleet and the processes did over the replay.
+    work: Work = field(default_factory=Work)
     #: kvroute's warm-ups (refreshes included) by outcome, and its refreshes started.
     warmups: dict[str, float] = field(default_factory=dict)
     refreshes: float = 0.0
@@ -179,24 +196,6 @@ async def _replay(url: str, requests: Sequence[TraceRequest], bench: Bench) -> l
         return await asyncio.gather(*(one(r) for r in requests))
 
 
-@dataclass(frozen=True)
-class _Counts:
-    """The engines' counters at one moment (``GET /sim/stats``) and the processes' CPU time."""
-
-    received: list[int]
-    prefilled: int
-    router_cpu_s: float
-    engines_cpu_s: float
-
-    def since(self, before: _Counts) -> _Counts:
-        return _Counts(
-            [n - b for n, b in zip(self.received, before.received, strict=True)],
-            self.prefilled - before.prefilled,
-            self.router_cpu_s - before.router_cpu_s,
-            self.engines_cpu_s - before.engines_cpu_s,
-        )
-
-
 async def _warmups(url: str) -> tuple[dict[str, float], float]:
     """The router's warm-ups by outcome and refreshes started, from its ``/metrics``."""
     outcomes: dict[str, float] = {}
@@ -222,9 +221,9 @@ async def _stats(urls: Sequence[str]) -> list[dict[str, int]]:
         return stats
 
 
-def _counts(urls: Sequence[str], router: Contender, engines: Contender) -> _Counts:
+def _work(urls: Sequence[str], router: Contender, engines: Contender) -> Work:
     stats = asyncio.run(_stats(urls))
-    return _Counts(
+    return Work(
         [int(s["received"]) for s in stats],
         sum(int(s["prompt_tokens"]) - int(s["cached_tokens"]) for s in stats),
         router.cpu_seconds(),
@@ -249,19 +248,18 @@ def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], wor
     engines, urls = _engines(bench, workdir)
     router = sglang(urls, None) if name == "sglang" else _kvroute(name, bench, urls, workdir)
     if router.missing:
-        return Row(name, [], 0.0, [], missing=router.missing)
+        return Row(name, [], 0.0, missing=router.missing)
     try:
         url = start_serving(engines, bench.engines, router, workdir)
-        before = _counts(urls, router, engines)
+        before = _work(urls, router, engines)
         started = time.perf_counter()
         results = asyncio.run(_replay(url, requests, bench))
         wall = time.perf_counter() - started
-        run = _counts(urls, router, engines).since(before)
-        cpu = (run.router_cpu_s, run.engines_cpu_s)
+        work = _work(urls, router, engines).since(before)
         warmups, refreshes = asyncio.run(_warmups(url)) if name != "sglang" else ({}, 0.0)
-        return Row(router.name, results, wall, run.received, run.prefilled, *cpu, warmups, refreshes)
+        return Row(router.name, results, wall, work, warmups, refreshes)
     except RuntimeError as exc:
-        return Row(router.name, [], 0.0, [], missing=f"{exc}; {router.log_tail() or engines.log_tail()}")
+        return Row(router.name, [], 0.0, missing=f"{exc}; {router.log_tail() or engines.log_tail()}")
     finally:
         router.stop()
         engines.stop()
@@ -281,7 +279,7 @@ def figures(row: Row) -> Figures:
         **Latencies.fields_of(row.results),
         hit_ratio=request_hit_ratio(row.results),
         throughput=ok / row.wall_s if row.wall_s else math.nan,
-        share=busiest_share(row.received),
+        share=busiest_share(row.work.received),
     )
 
 
@@ -293,16 +291,17 @@ def print_work(rows: Sequence[Row], requests: int) -> None:
     for row in rows:
         if row.missing:
             continue
+        work = row.work
         clients_prefill = sum(r.prompt_tokens - r.cached_tokens for r in row.results if r.ok)
         table.append(
             [
                 row.name,
-                f"{(sum(row.received) - requests) / requests:.2f}",
-                f"{row.prefilled / clients_prefill - 1:+.1%}" if clients_prefill else "-",
+                f"{(sum(work.received) - requests) / requests:.2f}",
+                f"{work.prefilled / clients_prefill - 1:+.1%}" if clients_prefill else "-",
                 f"{row.refreshes:.0f}",
                 " ".join(f"{outcome} {n:.0f}" for outcome, n in sorted(row.warmups.items())) or "-",
-                f"{row.router_cpu_s:.1f}",
-                f"{row.engines_cpu_s:.1f}",
+                f"{work.router_cpu_s:.1f}",
+                f"{work.engines_cpu_s:.1f}",
             ]
         )
     heads = ["work", "engine requests beyond clients' per request", "engine prefill beyond clients'"]

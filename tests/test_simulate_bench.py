@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_routing import Bench, Row, figures, load_requests, main
+from loadtest.bench_routing import Bench, Row, Work, figures, load_requests, main
 from loadtest.client import Result
 
 
@@ -50,7 +50,7 @@ def test_figures_of_a_run() -> None:
         Result(True, 200, ttft=0.3, latency=2.0, prompt_tokens=100, cached_tokens=0),
         Result(False, 502, ttft=None, latency=0.5),
     ]
-    f = figures(Row("x", results, wall_s=4.0, received=[3, 1]))
+    f = figures(Row("x", results, wall_s=4.0, work=Work(received=[3, 1])))
     assert (f.ok, f.failed) == (2, 1)
     assert f.hit_ratio == pytest.approx(0.25)
     assert f.ttft_mean == pytest.approx(0.2)
