@@ -2,27 +2,31 @@
 
 from __future__ import annotations
 
-import urllib.request
-
 import aiohttp
 from openai import AsyncOpenAI
 from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
 
 from loadtest.vllm_replicas import BLOCK_SIZE, SERVED_MODEL, VllmReplica
 from tests.helpers import MakeRouter, wait_for
 from tests.real_engines.traffic import backend_view, backends, text
 
 
-def engine_metrics(replica: VllmReplica) -> dict[str, float]:
-    with urllib.request.urlopen(f"{replica.url}/metrics", timeout=5) as resp:
-        families = text_string_to_metric_families(resp.read().decode())
-    return {s.name: s.value for f in families for s in f.samples if s.name.startswith("vllm:")}
+async def engine_samples(http: aiohttp.ClientSession, replica: VllmReplica) -> list[Sample]:
+    """The engine's own ``/metrics``, read without blocking the event loop: the router under test
+    runs on it, and a synchronous read of a busy engine (seconds, on a loaded CI machine) let the
+    router's last scrape go stale, so that least_load saw no load anywhere and drew e0 at random."""
+    async with http.get(f"{replica.url}/metrics", timeout=aiohttp.ClientTimeout(total=5)) as resp:
+        families = text_string_to_metric_families(await resp.text())
+    return [s for f in families for s in f.samples if s.name.startswith("vllm:")]
 
 
-def engine_capacity_tokens(replica: VllmReplica) -> int:
-    with urllib.request.urlopen(f"{replica.url}/metrics", timeout=5) as resp:
-        families = text_string_to_metric_families(resp.read().decode())
-    (info,) = (s for f in families for s in f.samples if s.name == "vllm:cache_config_info")
+async def engine_metrics(http: aiohttp.ClientSession, replica: VllmReplica) -> dict[str, float]:
+    return {s.name: s.value for s in await engine_samples(http, replica)}
+
+
+async def engine_capacity_tokens(http: aiohttp.ClientSession, replica: VllmReplica) -> int:
+    (info,) = (s for s in await engine_samples(http, replica) if s.name == "vllm:cache_config_info")
     return int(info.labels["num_gpu_blocks"]) * int(info.labels["block_size"])
 
 
@@ -37,7 +41,7 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         backends(vllm_pair), engine_metrics={"interval_s": 0.2}, routing={"policy": "least_load"}
     )
     before = await backend_view(http, router.admin_url, "e0")
-    assert before["engine_capacity_tokens"] == engine_capacity_tokens(e0) == 1024 * BLOCK_SIZE
+    assert before["engine_capacity_tokens"] == await engine_capacity_tokens(http, e0) == 1024 * BLOCK_SIZE
     # A long generation straight to e0 keeps it running a request with blocks in use: a short
     # prompt leaves it most of the 2048-token context (about 8 s here), so that it still runs when
     # the assertions below read it, on a loaded machine too (with a 600-word prompt it did not).
@@ -59,14 +63,14 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         await wait_for(busy, timeout=20, what="e0's running request and KV usage scraped")
         # The engine's usage grows by a block every 32 tokens decoded: the router's scrape, taken
         # between two reads of the engine's own /metrics, lies between them.
-        before = engine_metrics(e0)["vllm:kv_cache_usage_perc"]
+        before = (await engine_metrics(http, e0))["vllm:kv_cache_usage_perc"]
 
         async def scraped_since() -> bool:
             return (await backend_view(http, router.admin_url, "e0"))["kv_usage"] >= before
 
         await wait_for(scraped_since, timeout=10, what="a scrape newer than the engine's first read")
         view = await backend_view(http, router.admin_url, "e0")
-        after = engine_metrics(e0)
+        after = await engine_metrics(http, e0)
         assert view["engine_running"] == after["vllm:num_requests_running"] == 1
         assert view["engine_waiting"] == after["vllm:num_requests_waiting"] == 0
         assert 0 < before <= view["kv_usage"] <= after["vllm:kv_cache_usage_perc"]
@@ -74,7 +78,11 @@ async def test_scraped_load_kv_usage_and_capacity_are_the_engines(
         answer = await openai_client.with_options(
             base_url=f"{router.url}/v1"
         ).completions.with_raw_response.create(model=SERVED_MODEL, prompt="hello", max_tokens=2)
-        assert answer.headers["x-kvroute-backend"] == "e1"
+        assert answer.headers["x-kvroute-backend"] == "e1", (
+            answer.headers["x-kvroute-reason"],
+            await backend_view(http, router.admin_url, "e0"),
+            await backend_view(http, router.admin_url, "e1"),
+        )
     finally:
         await stream.close()
 
