@@ -11,9 +11,10 @@ import pytest
 
 from kvroute.cli import main
 from loadtest import simulate as simulate_module
+from loadtest.sim.protocol import render_chat
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, Simulation, bounds, load_source, simulate
-from loadtest.trace import TraceError, TraceRequest, prompt_messages, prompt_text, read_trace
+from loadtest.trace import TraceError, TraceRequest, block_text, prompt_messages, prompt_text, read_trace
 from policies.routing.prefix_aware import PrefixAware
 from policies.types import Outcome
 
@@ -91,17 +92,34 @@ def test_prompt_text_realises_the_trace_prefixes() -> None:
     assert len(prompt_text(a)) == 4000
     assert prompt_text(a)[:2048] == prompt_text(b)[:2048]
     assert prompt_text(a)[2048:] != prompt_text(b)[2048:]
-    assert "".join(m["content"] for m in prompt_messages(a)) == prompt_text(a)
 
 
 def test_prompt_messages_realise_the_trace_prefixes() -> None:
     a, b = req(0, 1000, 1, (1, 2)), req(0, 1000, 1, (1, 3))
     first, second = prompt_messages(a), prompt_messages(b)
-    assert sum(len(m["content"]) for m in first) == 4000
-    assert len(first[0]["content"]) == 2048
     assert first[0] == second[0]
     assert first[1] != second[1]
-    assert prompt_messages(req(0, 100, 1, (1, 2))) == [{"role": "user", "content": first[0]["content"][:400]}]
+    # A message per trace block, its text cut from that block's.
+    for request, messages in ((a, first), (b, second)):
+        assert len(messages) == len(request.hash_ids)
+        for hash_id, message in zip(request.hash_ids, messages, strict=True):
+            assert block_text(hash_id).startswith(message["content"])
+
+
+@pytest.mark.parametrize("tokens", [100, 512, 513, 1000, 1024, 1500])
+def test_a_chat_prompt_renders_to_the_trace_input_length(tokens: int) -> None:
+    """The simulated engines count the template's tokens too: the rendered prompt, not the
+    messages' texts, has the trace's length (a sent whole block's text made it 1.4 % longer)."""
+    request = req(0, tokens, 1, (1, 2, 3))
+    messages = prompt_messages(request)
+    assert len(render_chat(messages)) == tokens * 4
+
+
+def test_each_whole_block_of_a_chat_prompt_renders_to_one_trace_block() -> None:
+    """Conversations share whole blocks: with room for the next message, a message and its
+    framing are exactly one trace block (2,048 characters)."""
+    messages = prompt_messages(req(0, 1500, 1, (1, 2, 3)))
+    assert [len(render_chat([m])) - len("<|im_start|>assistant\n") for m in messages[:2]] == [2048, 2048]
 
 
 # --- the fleet model, against the timing model --------------------------------------------------

@@ -57,6 +57,15 @@ class GenerationRequest:
     include_usage: bool
 
 
+#: What the template adds after the messages: the prompt of the assistant's turn.
+GENERATION_PROMPT = "<|im_start|>assistant\n"
+
+
+def message_framing(role: str) -> int:
+    """Characters the template wraps around one message's content in ``role``."""
+    return len(f"<|im_start|>{role}\n<|im_end|>\n")
+
+
 def render_chat(messages: list[dict[str, Any]]) -> str:
     """Render validated chat messages with the simulator's fixed ChatML-like template.
 
@@ -70,7 +79,7 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
         parts.append(f"<|im_start|>{message['role']}\n{content or ''}<|im_end|>\n")
-    parts.append("<|im_start|>assistant\n")
+    parts.append(GENERATION_PROMPT)
     return "".join(parts)
 
 
