@@ -59,6 +59,7 @@ KVROUTE = {
     "latency": ("latency", {}, False, 0.0),
     "latency+refresh": ("latency", {}, False, 0.5),
     "latency+refresh0.25": ("latency", {}, False, 0.25),
+    "latency+refresh0.35": ("latency", {}, False, 0.35),
 }
 DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "cost", "latency", "sglang")
 
