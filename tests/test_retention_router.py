@@ -187,6 +187,25 @@ async def test_refreshes_in_flight_stop_at_the_limit_and_the_rest_wait(
     await wait_released(http, router.url)
 
 
+async def test_a_refresh_in_flight_is_no_pending_prefill_on_the_engine_that_holds_its_prefix(
+    fault_engines, make_router: MakeRouter, http: aiohttp.ClientSession
+) -> None:
+    """A refresh goes only where its prefix is believed wholly cached: while the engine holds
+    it, it counts in flight and as a request before its first byte, but none of its tokens as
+    prefill waiting there (``latency`` would steer the prefix's next turns away from it)."""
+    engine, router = await conversation_came_back(fault_engines, make_router, http)
+    engine.mode = "hang_unstreamed"
+
+    async def held() -> bool:
+        return engine.open == 1
+
+    await churn_until(http, router.url, held, "refresh held by the engine")
+    (backend,) = router.app[POOL]
+    assert (backend.in_flight, backend.pending_prefill_requests, backend.pending_prefill_tokens) == (1, 1, 0)
+    engine.release.set()
+    await wait_released(http, router.url)
+
+
 async def test_stopping_the_router_cancels_the_refreshes_in_flight(
     fault_engines, http: aiohttp.ClientSession
 ) -> None:

@@ -9,7 +9,8 @@ prefix — with ``max_tokens`` 1 and no stream. The next request that spills the
 prefix cached instead of waiting for its prefill.
 
 A warm-up is an attempt like any other (router/request_path/attempt.py): the target's
-in-flight count and pending prefill hold it, so the policy sees the copy under way; the index
+in-flight count and pending prefill (the part of the prefix it is not believed to hold: all
+of a policy's copy, none of a refresh) hold it, so the policy sees the copy under way; the index
 believes the prefix there from the pick and withdraws the belief if it fails; it counts in
 ``kvroute_requests_total`` under its backend, as the engine served it. It has a context of
 its own (no access-log line, no effect on the client's), is never retried, never tells a
@@ -213,7 +214,13 @@ class Warmups:
         headers = {**job.context.upstream_headers, REQUEST_ID_HEADER: own_id}
         own = RequestContext(own_id, time.perf_counter(), headers)
         side = PairSide(warmup_body(part), prefill=True, follows_chain=True)
-        decision = Decision(target.name, "warmup")
+        # What the target is believed to hold already is not pending prefill there: none of the
+        # prefix for a policy's copy, all of it for a refresh. Counted as wholly uncached, each
+        # refresh in flight stood for its whole prefix (~10k tokens on the Mooncake trace) of
+        # work in front of the engine that holds it, and ``latency`` steered that engine's next
+        # turns elsewhere. As kvroute simulate does, the index says which.
+        held = (await self.books.index.match(prefix, [target.name])).get(target.name, 0)
+        decision = Decision(target.name, "warmup", min(held, blocks))
         with Attempt(self.books, part, warm_view, target, decision, own, job.timeout, False, side) as attempt:
             status, _ = await self.proxy.fetch(job.request, attempt)
             if status >= 400:
