@@ -11,7 +11,7 @@ import pytest
 
 from kvroute.cli import main
 from loadtest import simulate as simulate_module
-from loadtest.sim.protocol import render_chat
+from loadtest.sim.protocol import GENERATION_PROMPT, render_chat
 from loadtest.sim.timing import EngineTiming
 from loadtest.simulate import FleetModel, Simulation, bounds, load_source, simulate
 from loadtest.trace import TraceError, TraceRequest, block_text, prompt_messages, prompt_text, read_trace
@@ -119,7 +119,7 @@ def test_each_whole_block_of_a_chat_prompt_renders_to_one_trace_block() -> None:
     """Conversations share whole blocks: with room for the next message, a message and its
     framing are exactly one trace block (2,048 characters)."""
     messages = prompt_messages(req(0, 1500, 1, (1, 2, 3)))
-    assert [len(render_chat([m])) - len("<|im_start|>assistant\n") for m in messages[:2]] == [2048, 2048]
+    assert [len(render_chat([m])) - len(GENERATION_PROMPT) for m in messages[:2]] == [2048, 2048]
 
 
 # --- the fleet model, against the timing model --------------------------------------------------

@@ -61,9 +61,14 @@ class GenerationRequest:
 GENERATION_PROMPT = "<|im_start|>assistant\n"
 
 
+def render_message(role: str, content: str) -> str:
+    """One message as the template renders it."""
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
 def message_framing(role: str) -> int:
     """Characters the template wraps around one message's content in ``role``."""
-    return len(f"<|im_start|>{role}\n<|im_end|>\n")
+    return len(render_message(role, ""))
 
 
 def render_chat(messages: list[dict[str, Any]]) -> str:
@@ -78,7 +83,7 @@ def render_chat(messages: list[dict[str, Any]]) -> str:
         content = message.get("content")
         if isinstance(content, list):
             content = "".join(part["text"] for part in content)
-        parts.append(f"<|im_start|>{message['role']}\n{content or ''}<|im_end|>\n")
+        parts.append(render_message(message["role"], content or ""))
     parts.append(GENERATION_PROMPT)
     return "".join(parts)
 
