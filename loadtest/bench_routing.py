@@ -13,7 +13,10 @@ engine-reported hit ratio, TTFT mean/p50/p99 and end-to-end p50 as the client me
 them, throughput, failed requests, and the largest engine's share of requests over the
 mean share. Beside it: the pooled-LRU and TTFT-floor bounds computed from the trace, and
 what the offline simulator predicts for the same slice, to show where virtual time and the
-live fleet disagree.
+live fleet disagree; and what each contender cost beyond the clients' requests, with the
+clients' mean TTFT split at the engines (what placement decides) and outside them (the router,
+the client, HTTP; the contender ``floor``, a proxy that does no routing, shows that part's
+least on this stack).
 
 Everything runs on this machine: the client, the engines and the router share its CPUs, so
 absolute latencies include their contention; compare contenders within one run, as ratios.
@@ -39,7 +42,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from loadtest import workloads
 from loadtest.client import Result, stream_chat
-from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, sglang, wait_listening
+from loadtest.contenders import ADMIN_ON_ANY_PORT, Contender, floor, sglang, wait_listening
 from loadtest.help_format import DefaultsHelpFormatter
 from loadtest.ports import free_port, free_ports
 from loadtest.report import Latencies, busiest_share, format_table, ratio, request_hit_ratio
@@ -61,6 +64,10 @@ KVROUTE = {
     "latency+refresh0.25": ("latency", {}, False, 0.25),
     "latency+refresh0.35": ("latency", {}, False, 0.35),
 }
+#: Contenders that are not kvroute: SGLang's router, and ``floor``, aiohttp's server and
+#: kvroute's upstream client passing requests round robin with no routing at all (what any
+#: Python proxy on this stack costs: the work table's TTFT outside the engines).
+OTHERS = {"sglang": sglang, "floor": floor}
 DEFAULT_CONTENDERS = ("round_robin", "least_load", "prefix_aware", "cost", "latency", "sglang")
 
 
@@ -97,6 +104,10 @@ class Work:
     #: CPU seconds of the router's and the engines' processes.
     router_cpu_s: float = 0.0
     engines_cpu_s: float = 0.0
+    #: Streamed requests' first tokens at the engines, and their summed TTFT there (from arrival
+    #: in the engine's scheduler): the clients' TTFT less the router, the client and HTTP.
+    first_tokens: int = 0
+    engines_ttft_s: float = 0.0
 
     def since(self, before: Work) -> Work:
         return Work(
@@ -104,7 +115,13 @@ class Work:
             self.prefilled - before.prefilled,
             self.router_cpu_s - before.router_cpu_s,
             self.engines_cpu_s - before.engines_cpu_s,
+            self.first_tokens - before.first_tokens,
+            self.engines_ttft_s - before.engines_ttft_s,
         )
+
+    @property
+    def engines_ttft_mean(self) -> float:
+        return self.engines_ttft_s / self.first_tokens if self.first_tokens else math.nan
 
 
 @dataclass(frozen=True)
@@ -229,6 +246,8 @@ def _work(urls: Sequence[str], router: Contender, engines: Contender) -> Work:
         sum(int(s["prompt_tokens"]) - int(s["cached_tokens"]) for s in stats),
         router.cpu_seconds(),
         engines.cpu_seconds(),
+        sum(int(s["streamed_first_tokens"]) for s in stats),
+        sum(int(s["streamed_ttft_us"]) for s in stats) / 1e6,
     )
 
 
@@ -247,7 +266,7 @@ def start_serving(engines: Contender, count: int, router: Contender, workdir: Pa
 
 def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], workdir: Path) -> Row:
     engines, urls = _engines(bench, workdir)
-    router = sglang(urls, None) if name == "sglang" else _kvroute(name, bench, urls, workdir)
+    router = OTHERS[name](urls, None) if name in OTHERS else _kvroute(name, bench, urls, workdir)
     if router.missing:
         return Row(name, [], 0.0, missing=router.missing)
     try:
@@ -257,7 +276,7 @@ def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], wor
         results = asyncio.run(_replay(url, requests, bench))
         wall = time.perf_counter() - started
         work = _work(urls, router, engines).since(before)
-        warmups, refreshes = asyncio.run(_warmups(url)) if name != "sglang" else ({}, 0.0)
+        warmups, refreshes = asyncio.run(_warmups(url)) if name in KVROUTE else ({}, 0.0)
         return Row(router.name, results, wall, work, warmups, refreshes)
     except RuntimeError as exc:
         return Row(router.name, [], 0.0, missing=f"{exc}; {router.log_tail() or engines.log_tail()}")
@@ -287,13 +306,16 @@ def figures(row: Row) -> Figures:
 def print_work(rows: Sequence[Row], requests: int) -> None:
     """What each contender cost the fleet beyond the clients' requests (kvroute's warm-ups and
     refreshes), and the CPU each side spent: on this machine the router, the engines and the
-    client share the cores, so work that virtual time counts as free still costs latency here."""
+    client share the cores, so work that virtual time counts as free still costs latency here.
+    And the clients' mean TTFT split at the engines: what placement decides (from arrival in an
+    engine's scheduler to its first token) and what is outside it (the router, the client, HTTP)."""
     table = []
     for row in rows:
         if row.missing:
             continue
         work = row.work
         clients_prefill = sum(r.prompt_tokens - r.cached_tokens for r in row.results if r.ok)
+        ttft_mean = float(Latencies.fields_of(row.results)["ttft_mean"])
         table.append(
             [
                 row.name,
@@ -303,10 +325,13 @@ def print_work(rows: Sequence[Row], requests: int) -> None:
                 " ".join(f"{outcome} {n:.0f}" for outcome, n in sorted(row.warmups.items())) or "-",
                 f"{work.router_cpu_s:.1f}",
                 f"{work.engines_cpu_s:.1f}",
+                f"{work.engines_ttft_mean * 1000:.1f}",
+                f"{(ttft_mean - work.engines_ttft_mean) * 1000:.1f}",
             ]
         )
     heads = ["work", "engine requests beyond clients' per request", "engine prefill beyond clients'"]
     heads += ["refreshes", "warm-ups by outcome", "router CPU s", "engines CPU s"]
+    heads += ["TTFT mean at engines ms", "outside engines ms"]
     print(format_table(heads, table))
 
 
@@ -427,11 +452,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
     parser.add_argument(
         "--contenders",
         default=",".join(DEFAULT_CONTENDERS),
-        help=f"comma-separated, of {', '.join([*KVROUTE, 'sglang'])} (default: %(default)s)",
+        help=f"comma-separated, of {', '.join([*KVROUTE, *OTHERS])} (default: %(default)s)",
     )
     args = parser.parse_args(argv)
     contenders = [c for c in args.contenders.split(",") if c]
-    unknown = [c for c in contenders if c not in KVROUTE and c != "sglang"]
+    unknown = [c for c in contenders if c not in KVROUTE and c not in OTHERS]
     if unknown or args.engines < 1 or args.speedup <= 0 or args.capacity < 64:
         parser.error(
             f"unknown contender {unknown[0]!r}" if unknown else "engines, speedup, capacity: positive"

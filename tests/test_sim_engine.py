@@ -193,6 +193,23 @@ async def test_completion_stream_without_usage(
     assert all("usage" not in t for t in tokens)
 
 
+async def test_stats_sum_the_streamed_requests_ttft_and_leave_warmups_out(
+    make_engine: EngineFactory, session: aiohttp.ClientSession
+) -> None:
+    """``streamed_ttft_us`` is the engines' side of the clients' TTFT (``kvroute bench routing``
+    splits the clients' TTFT with it): streamed requests only, as a router's warm-ups are not."""
+    engine = await make_engine()
+    url = f"{engine.url}/v1/completions"
+    assert (await post(session, url, complete("a warm-up " * 50, max_tokens=1)))[0] == 200
+    for prompt in ("first " * 400, "second " * 10):
+        async with session.post(url, json=complete(prompt, max_tokens=2, stream=True)) as response:
+            assert (await read_sse(response))[-1] == "[DONE]"
+    stats = engine.stats()
+    streamed = [r.ttft_s for r in engine.records if r.stream]
+    assert stats["streamed_first_tokens"] == len(streamed) == 2
+    assert stats["streamed_ttft_us"] == pytest.approx(sum(streamed) * 1e6, abs=2)
+
+
 # --- prefix cache ------------------------------------------------------------------------------------
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from loadtest.bench_routing import Bench, Row, Work, figures, load_requests, main
+from loadtest.bench_routing import Bench, Row, Work, figures, load_requests, main, print_work
 from loadtest.client import Result
 
 
@@ -56,6 +56,21 @@ def test_figures_of_a_run() -> None:
     assert f.ttft_mean == pytest.approx(0.2)
     assert f.throughput == pytest.approx(0.5)
     assert f.share == pytest.approx(1.5)
+
+
+def test_the_work_table_splits_the_clients_ttft_at_the_engines(capsys) -> None:
+    results = [
+        Result(True, 200, ttft=0.1, latency=1.0, prompt_tokens=100, cached_tokens=50),
+        Result(True, 200, ttft=0.3, latency=2.0, prompt_tokens=100, cached_tokens=0),
+    ]
+    before = Work(received=[0, 0], first_tokens=5, engines_ttft_s=1.0)
+    after = Work(received=[1, 1], first_tokens=7, engines_ttft_s=1.3)
+    work = after.since(before)
+    assert (work.first_tokens, work.engines_ttft_mean) == (2, pytest.approx(0.15))
+    print_work([Row("x", results, wall_s=4.0, work=work)], requests=2)
+    row = capsys.readouterr().out.splitlines()[-1].split()
+    # The clients' mean is 200 ms: 150 at the engines, 50 outside them.
+    assert row[-2:] == ["150.0", "50.0"]
 
 
 def test_unknown_contenders_are_refused(trace: Path, capsys) -> None:

@@ -158,6 +158,10 @@ class Scheduler:
         self.generation_tokens = 0
         #: Prompt tokens received from prefill engines (a decode engine's).
         self.transferred_tokens = 0
+        #: First tokens of streamed requests (clients'; routers' warm-ups are not streamed) and
+        #: their summed TTFT here in microseconds: the engines' side of the clients' TTFT.
+        self.streamed_first_tokens = 0
+        self.streamed_ttft_us = 0
 
     @property
     def running(self) -> int:
@@ -296,8 +300,12 @@ class Scheduler:
         self.prompt_tokens += request.prompt_tokens
         self.cached_tokens += request.cached_tokens
         request.first_token_at = time.monotonic()
+        ttft = request.first_token_at - request.arrival
+        if request.stream:
+            self.streamed_first_tokens += 1
+            self.streamed_ttft_us += round(ttft * 1e6)
         if self._on_first_token is not None:
-            self._on_first_token(request.first_token_at - request.arrival)
+            self._on_first_token(ttft)
         request.state = State.DECODING
         self._emit(request)
         if request.state is State.DECODING:
@@ -367,6 +375,8 @@ class Scheduler:
             "cached_tokens": self.cached_tokens,
             "generation_tokens": self.generation_tokens,
             "transferred_tokens": self.transferred_tokens,
+            "streamed_first_tokens": self.streamed_first_tokens,
+            "streamed_ttft_us": self.streamed_ttft_us,
             "kv_blocks_reserved": self.reserved_blocks,
             "cache_blocks": len(self.cache),
             "cache_evictions": self.cache.evictions,
