@@ -137,6 +137,53 @@ async def test_an_odd_stream_reaches_the_client_unchanged(engine, make_router, h
     await assert_released(http, router.url, engine)
 
 
+async def raw_exchange(port: int, version: str, body: bytes) -> bytes:
+    """Send one POST over a raw socket as HTTP/``version`` and read until the router closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    head = (
+        f"POST /v1/completions HTTP/{version}\r\nHost: x\r\nContent-Type: application/json\r\n"
+        f"Content-Length: {len(body)}\r\nConnection: close\r\n\r\n"
+    ).encode()
+    writer.write(head + body)
+    answer = await asyncio.wait_for(reader.read(), timeout=10)
+    writer.close()
+    return answer
+
+
+def dechunk(body: bytes) -> bytes:
+    """Decode a chunked transfer coding strictly: every size line, every CRLF, the last chunk."""
+    out = b""
+    while True:
+        size_line, _, body = body.partition(b"\r\n")
+        size = int(size_line, 16)
+        if size == 0:
+            assert body == b"\r\n", body
+            return out
+        assert body[size : size + 2] == b"\r\n", body[: size + 2]
+        out, body = out + body[:size], body[size + 2 :]
+
+
+@pytest.mark.parametrize("version", ["1.1", "1.0"])
+async def test_a_stream_is_framed_for_the_clients_http_version(engine, make_router, http, version):
+    """Relayed byte by byte (each engine write its own read at the router): an HTTP/1.1 client
+    gets each piece as a well-formed chunk and the last chunk at the end; an HTTP/1.0 client,
+    which has no chunked coding, gets the bare bytes and the end of the connection."""
+    engine.mode = "byte_by_byte"
+    router = await make_router(backends([engine]))
+    request = json.dumps({"model": MODEL, "prompt": "hi", "max_tokens": 3, "stream": True}).encode()
+    answer = await raw_exchange(router.port, version, request)
+    head, _, body = answer.partition(b"\r\n\r\n")
+    assert head.startswith(f"HTTP/{version} 200".encode()), head
+    expected = b"".join(SSE_EVENTS) + b"data: [DONE]\n\n"
+    if version == "1.1":
+        assert b"transfer-encoding: chunked" in head.lower()
+        assert dechunk(body) == expected
+    else:
+        assert b"transfer-encoding" not in head.lower()
+        assert body == expected
+    await assert_released(http, router.url, engine)
+
+
 async def test_a_slow_client_holds_back_the_engine_instead_of_filling_the_routers_memory(
     engine, make_router, http
 ):

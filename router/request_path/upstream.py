@@ -31,7 +31,7 @@ import socket
 import ssl
 import time
 from collections import deque
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from urllib.parse import urlsplit
 
@@ -46,6 +46,9 @@ from router.request_path.settings import UpstreamConfig
 HIGH_WATER = 64 * 1024
 #: Parsed backend URLs kept; past it the cache starts over (discovery replaces pods over time).
 MAX_ORIGINS = 1024
+#: Takes one piece of a response body as it arrives, from the connection's protocol callback
+#: (:meth:`UpstreamResponse.pipe`); False when it cannot take more for now.
+Sink = Callable[[bytes], bool]
 #: A reused connection lost this soon after sending, before any answer byte, is taken for one
 #: the engine closed idle (the request crossed its FIN) and the request is sent once more.
 REPLAY_WINDOW_S = 0.1
@@ -111,6 +114,7 @@ class _Connection(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._chunks: deque[bytes] = deque()
         self._buffered = 0
+        self._sink: Sink | None = None
         self._paused = False
         self._last_data = 0.0
         self._error: UpstreamError | None = None
@@ -194,11 +198,19 @@ class _Connection(asyncio.Protocol):
         self._wake()
 
     def on_body(self, body: bytes) -> None:
+        sink = self._sink
+        if sink is not None:
+            if sink(body):
+                return
+            # The sink is full: hold the backend back until the pipe's caller has drained it.
+            self._sink = None
+            self._pause()
+            self._wake()
+            return
         self._chunks.append(body)
         self._buffered += len(body)
-        if self._buffered > HIGH_WATER and not self._paused and self.transport is not None:
-            self._paused = True
-            self.transport.pause_reading()
+        if self._buffered > HIGH_WATER:
+            self._pause()
         self._wake()
 
     def on_message_complete(self) -> None:
@@ -242,17 +254,51 @@ class _Connection(asyncio.Protocol):
         while not self._chunks:
             if self.complete:
                 return b""
-            if self._timer is None:
-                self._timer = self._loop.call_at(self._last_data + self._pool.read_timeout, self._check_idle)
-            await self._wait()
+            await self._wait_for_data()
         data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
         self._chunks.clear()
         self._buffered = 0
+        self._resume()
+        return data
+
+    async def pipe(self, sink: Sink) -> bool:
+        """Hand the body to ``sink`` as it arrives, from :meth:`on_body`: True once it ended,
+        False when ``sink`` refused more (the backend is then held back until the next call).
+
+        Each piece goes on in the protocol callback that parsed it, with no task switch per
+        piece: relaying a stream token by token is the router's largest per-request cost.
+        """
+        if self._chunks:
+            buffered = b"".join(self._chunks)
+            self._chunks.clear()
+            self._buffered = 0
+            if not sink(buffered):
+                return False
+        self._resume()
+        self._sink = sink
+        try:
+            while self._sink is not None and not self.complete:
+                await self._wait_for_data()
+        finally:
+            self._sink = None
+        return self.complete
+
+    def _pause(self) -> None:
+        if not self._paused and self.transport is not None:
+            self._paused = True
+            self.transport.pause_reading()
+
+    def _resume(self) -> None:
         if self._paused:
             self._paused = False
             if self.transport is not None:
                 self.transport.resume_reading()
-        return data
+
+    async def _wait_for_data(self) -> None:
+        """Wait for the next body event, within the idle-read timeout."""
+        if self._timer is None:
+            self._timer = self._loop.call_at(self._last_data + self._pool.read_timeout, self._check_idle)
+        await self._wait()
 
     def finish(self) -> None:
         """The exchange is over (read to its end or abandoned): stop its timer."""
@@ -343,6 +389,11 @@ class UpstreamResponse:
 
     async def readany(self) -> bytes:
         return await self._connection.readany()
+
+    async def pipe(self, sink: Sink) -> bool:
+        """Hand the rest of the body to ``sink`` as it arrives (see :meth:`_Connection.pipe`):
+        True once it ended, False when ``sink`` refused more for now."""
+        return await self._connection.pipe(sink)
 
     async def read(self) -> bytes:
         """The rest of the body."""
