@@ -158,7 +158,11 @@ def _engines(bench: Bench, workdir: Path) -> tuple[Contender, list[str]]:
     return Contender("engines", base, command), urls
 
 
-def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Contender:
+def _kvroute(
+    name: str, bench: Bench, urls: Sequence[str], workdir: Path, checkout: Path | None = None
+) -> Contender:
+    """kvroute with the contender ``name``'s routing; ``checkout``: the kvroute of another source
+    tree (``git worktree add /tmp/before HEAD~1``), named ``kvroute baseline NAME``."""
     policy, params, closed_loop, refresh_share = KVROUTE[name]
     port = free_port()
     block_tokens = 64  # index.block_size 256 characters at 4 characters per token
@@ -179,9 +183,12 @@ def _kvroute(name: str, bench: Bench, urls: Sequence[str], workdir: Path) -> Con
         f"  - {{name: e{i}, url: '{url}', models: [{MODEL}], capacity_blocks: {capacity}}}"
         for i, url in enumerate(urls)
     ]
-    config = workdir / f"kvroute-{name}.yaml"
+    config = workdir / f"kvroute-{name}-{port}.yaml"
     config.write_text("\n".join(lines) + "\n")
-    return Contender(f"kvroute {name}", port, [_kvroute_bin(), "serve", "--config", str(config)])
+    command = [_kvroute_bin(), "serve", "--config", str(config)]
+    if checkout is None:
+        return Contender(f"kvroute {name}", port, command)
+    return Contender(f"kvroute baseline {name}", port, command, env={"PYTHONPATH": str(checkout.resolve())})
 
 
 async def wait_serving(url: str, timeout: float, model: str = MODEL) -> None:
@@ -264,9 +271,13 @@ def start_serving(engines: Contender, count: int, router: Contender, workdir: Pa
     return url
 
 
-def run_contender(name: str, bench: Bench, requests: Sequence[TraceRequest], workdir: Path) -> Row:
+def run_contender(
+    name: str, bench: Bench, requests: Sequence[TraceRequest], workdir: Path, checkout: Path | None = None
+) -> Row:
+    """Replay ``requests`` through the contender ``name`` in front of fresh engines; ``checkout``:
+    run a kvroute contender from another source tree."""
     engines, urls = _engines(bench, workdir)
-    router = OTHERS[name](urls, None) if name in OTHERS else _kvroute(name, bench, urls, workdir)
+    router = OTHERS[name](urls, None) if name in OTHERS else _kvroute(name, bench, urls, workdir, checkout)
     if router.missing:
         return Row(name, [], 0.0, missing=router.missing)
     try:
@@ -454,6 +465,12 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         default=",".join(DEFAULT_CONTENDERS),
         help=f"comma-separated, of {', '.join([*KVROUTE, *OTHERS])} (default: %(default)s)",
     )
+    parser.add_argument(
+        "--baseline",
+        type=Path,
+        help="another kvroute source tree (git worktree add /tmp/before HEAD~1): each kvroute "
+        "contender is run from it too, right after itself, as 'kvroute baseline NAME'",
+    )
     args = parser.parse_args(argv)
     contenders = [c for c in args.contenders.split(",") if c]
     unknown = [c for c in contenders if c not in KVROUTE and c not in OTHERS]
@@ -461,6 +478,8 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
         parser.error(
             f"unknown contender {unknown[0]!r}" if unknown else "engines, speedup, capacity: positive"
         )
+    if args.baseline is not None and not (args.baseline / "kvroute" / "cli.py").is_file():
+        parser.error(f"--baseline {args.baseline}: not a kvroute source tree (no kvroute/cli.py)")
     bench = Bench(
         trace=args.trace,
         minutes=args.minutes,
@@ -485,9 +504,11 @@ def main(argv: Sequence[str] | None = None, prog: str = "python -m loadtest.benc
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvroute-bench-") as tmp:
         for name in contenders:
-            row = run_contender(name, bench, requests, Path(tmp))
-            print(f"  {row.name}: {'not run' if row.missing else f'{row.wall_s:.0f} s'}", flush=True)
-            rows.append(row)
+            checkouts = [None, args.baseline] if args.baseline is not None and name in KVROUTE else [None]
+            for checkout in checkouts:
+                row = run_contender(name, bench, requests, Path(tmp), checkout)
+                print(f"  {row.name}: {'not run' if row.missing else f'{row.wall_s:.0f} s'}", flush=True)
+                rows.append(row)
     print()
     print_report(bench, requests, rows)
     return 0 if all(not r.missing and figures(r).failed == 0 for r in rows) else 1
