@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -77,3 +78,30 @@ def test_unknown_contenders_are_refused(trace: Path, capsys) -> None:
     with pytest.raises(SystemExit):
         main(["--trace", str(trace), "--contenders", "cost,nginx"])
     assert "unknown contender 'nginx'" in capsys.readouterr().err
+
+
+def test_a_baseline_must_be_a_kvroute_source_tree(trace: Path, tmp_path: Path, capsys) -> None:
+    with pytest.raises(SystemExit):
+        main(["--trace", str(trace), "--baseline", str(tmp_path)])
+    assert "not a kvroute source tree" in capsys.readouterr().err
+
+
+def test_each_kvroute_contender_runs_again_from_the_baseline_tree(
+    trace: Path, tmp_path: Path, capsys
+) -> None:
+    """Live, two requests each: the baseline's row follows its contender's, SGLang-free."""
+    tree = tmp_path / "before"
+    tree.mkdir()
+    repo = Path(__file__).resolve().parents[1]
+    for package in ("kvroute", "router", "policies", "loadtest"):
+        (tree / package).symlink_to(repo / package)
+    argv = ["--trace", str(trace), "--engines", "2", "--speedup", "100", "--capacity", "100000"]
+    assert main([*argv, "--contenders", "round_robin,floor", "--baseline", str(tree)]) == 0
+    out = capsys.readouterr().out
+    ran = [line.split(":")[0].strip() for line in out.splitlines() if line.endswith(" s") and ": " in line]
+    assert ran == ["kvroute round_robin", "kvroute baseline round_robin", "floor (aiohttp + upstream client)"]
+    results = [re.split(r"\s{2,}", line) for line in out.splitlines() if line.startswith(tuple(ran))]
+    answered = {
+        fields[0]: tuple(fields[1:3]) for fields in results if len(fields) > 3 and fields[1].isdigit()
+    }
+    assert answered == dict.fromkeys(ran, ("2", "0")), out  # ok, failed
