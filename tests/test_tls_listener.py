@@ -49,6 +49,14 @@ async def chat(url: str, context: ssl.SSLContext) -> str:
     return reply.choices[0].message.content or ""
 
 
+async def streamed_chat(url: str, context: ssl.SSLContext, tokens: int) -> str:
+    async with openai_client(url, context) as client:
+        stream = await client.chat.completions.create(
+            model=MODEL, messages=[{"role": "user", "content": "hello"}], max_tokens=tokens, stream=True
+        )
+        return "".join([c.delta.content or "" async for chunk in stream for c in chunk.choices])
+
+
 async def served_certificate(port: int, context: ssl.SSLContext) -> str:
     """The common name of the certificate the listener shows now."""
     _, writer = await asyncio.open_connection("127.0.0.1", port, ssl=context)
@@ -71,6 +79,8 @@ async def test_https_with_the_openai_client(fleet, deploy, ca, http):
     server = (await deploy(tls_config(fleet, 0, cert=str(cert), key=str(key)))).server
     assert server.url.startswith("https://127.0.0.1:")
     assert await chat(server.url, client_context(ca))
+    # A stream's chunks go straight to the TLS transport (router/request_path/proxy.py).
+    assert await streamed_chat(server.url, client_context(ca), 40) == " tok" * 40
     # Plain HTTP to the TLS port gets no answer; a client that does not trust the CA is refused.
     with pytest.raises(Exception):  # noqa: B017 (the server closes; aiohttp names it variously)
         async with http.get(f"http://127.0.0.1:{server.port}/health") as resp:
