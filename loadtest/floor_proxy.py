@@ -2,8 +2,9 @@
 
     python -m loadtest.floor_proxy PORT BACKEND_URL [BACKEND_URL ...]
 
-aiohttp's server and kvroute's own upstream client (:mod:`router.request_path.upstream`) on uvloop, passing
-each POST to the next backend in turn and its answer back (streams chunk by chunk), with none
+aiohttp's server and kvroute's own upstream client (:mod:`router.request_path.upstream`) on
+uvloop, passing each POST to the next backend in turn and its answer back (streams chunk by
+chunk, relayed as kvroute relays them: :func:`router.request_path.proxy.relay_body`), with none
 of kvroute's parsing, routing, limits, metrics or retries. ``loadtest.overhead`` measures it
 beside kvroute: the gap between the two is what kvroute's own work costs, and the floor itself
 is what no change inside kvroute's request path can go below on this stack.
@@ -17,6 +18,7 @@ import sys
 import uvloop
 from aiohttp import web
 
+from router.request_path.proxy import relay_body
 from router.request_path.settings import UpstreamConfig
 from router.request_path.upstream import UpstreamPool
 
@@ -37,8 +39,7 @@ def build_app(backends: list[str]) -> web.Application:
                 return web.Response(status=answer.status, body=await answer.read(), headers=out)
             response = web.StreamResponse(status=answer.status, headers=out)
             await response.prepare(request)
-            while chunk := await answer.readany():
-                await response.write(chunk)
+            await relay_body(request, response, answer, await answer.readany())
             await response.write_eof()
             return response
         finally:

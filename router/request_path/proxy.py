@@ -325,13 +325,7 @@ class Proxy:
         response = web.StreamResponse(status=upstream.status, headers=headers)
         await response.prepare(request)
         try:
-            # The first write also sends the head; the rest bypasses aiohttp's writer.
-            await response.write(tap.chunk(first) if tap is not None else first)
-            client = _ClientSink(request, response, tap)
-            while not await upstream.pipe(client):
-                if client.gone:
-                    raise ConnectionResetError("client disconnected")
-                await request.writer.drain()
+            await relay_body(request, response, upstream, first, tap)
         except ConnectionResetError as exc:
             # The client went away; leaving closes the upstream connection (see forward).
             raise ClientGone(response) from exc
@@ -353,6 +347,25 @@ class Proxy:
             await response.write_eof()
         except ConnectionResetError:
             pass
+
+
+async def relay_body(
+    request: web.Request,
+    response: web.StreamResponse,
+    upstream: UpstreamResponse,
+    first: bytes,
+    tap: ResponseTap | None = None,
+) -> None:
+    """Send ``first`` and the rest of ``upstream``'s body on the prepared ``response`` as it
+    arrives. ConnectionResetError: the client went away; UpstreamError or TimeoutError: the
+    backend failed. The response is left open (``write_eof`` is the caller's)."""
+    # The first write also sends the head; the rest bypasses aiohttp's writer.
+    await response.write(tap.chunk(first) if tap is not None else first)
+    client = _ClientSink(request, response, tap)
+    while not await upstream.pipe(client):
+        if client.gone:
+            raise ConnectionResetError("client disconnected")
+        await request.writer.drain()
 
 
 class _ClientSink:
