@@ -2,8 +2,9 @@
 
 The body goes upstream byte for byte; the response comes back with its status and body
 unchanged. Streams are never buffered: each chunk is written to the client as soon as the
-backend sends it, with the client's own backpressure (``write`` waits when the client is
-slow). The first chunk is read *before* the client sees anything, so a backend that fails
+backend sends it (from the upstream connection's read callback, :func:`relay_body`), with the
+client's own backpressure (the backend's socket is not read while the client's is backed
+up). The first chunk is read *before* the client sees anything, so a backend that fails
 before sending a byte can still be replaced by another (``UpstreamFailed``). After that,
 a failure ends the stream with an SSE error event and is never retried.
 

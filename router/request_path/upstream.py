@@ -6,8 +6,9 @@ benchmark's harness (null backends, one proxy core), a bare aiohttp server forwa
 ``ClientSession`` spent 139 µs of CPU per request, the same server forwarding through this
 client 52 µs. This client does only what the proxy needs: send a body it already holds, read
 the status line and headers, then the body chunk by chunk as it arrives (chunked transfer
-decoded by llhttp, through ``httptools``), with backpressure, an idle-read timeout and
-connections kept alive for the next request.
+decoded by llhttp, through ``httptools``), read by the caller or handed to it from the read
+callback (``pipe``), with backpressure, an idle-read timeout and connections kept alive for
+the next request.
 
 Connection reuse: an idle connection is reused (newest first) only while it has been idle less
 than ``keepalive_s``, kept under the engines' own keep-alive timeout (uvicorn's 5 s, which vLLM
