@@ -218,6 +218,102 @@ async def test_a_backend_silent_mid_body_times_out_by_the_read_timeout() -> None
         upstream.close()
 
 
+async def test_a_pipe_hands_each_piece_over_as_it_is_sent_and_ends_with_the_body() -> None:
+    more = asyncio.Event()
+
+    async def stream(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await backend.read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n1\r\na\r\n")
+            await writer.drain()
+            await more.wait()
+            writer.write(b"1\r\nb\r\n0\r\n\r\n")
+
+    async with Backend(stream) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        pieces: list[bytes] = []
+
+        def sink(piece: bytes) -> bool:
+            pieces.append(piece)
+            more.set()  # the second piece is sent only once the first was handed over
+            return True
+
+        assert await response.pipe(sink) is True
+        assert pieces == [b"a", b"b"]
+        response.release()
+        # The connection was read to its end and serves the next exchange.
+        again = await upstream.post(backend.url, "/p", [], b"{}")
+        assert await again.read() == b"ab"
+        again.release()
+        assert backend.connections == 1
+        upstream.close()
+
+
+async def test_a_sink_that_refuses_holds_the_backend_back_until_the_next_pipe() -> None:
+    piece = b"x" * 65536
+    pieces = 1024  # 64 MiB: far more than the socket buffers on the way hold
+    sent = 0
+
+    async def firehose(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        nonlocal sent
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        for _ in range(pieces):
+            writer.write(b"%x\r\n%b\r\n" % (len(piece), piece))
+            await writer.drain()
+            sent += len(piece)
+        writer.write(b"0\r\n\r\n")
+
+    async with Backend(firehose) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        received = bytearray()
+
+        def refusing(data: bytes) -> bool:
+            received.extend(data)
+            return False
+
+        assert await response.pipe(refusing) is False
+        last = -1
+
+        async def backend_blocked() -> bool:
+            nonlocal last
+            before, last = last, sent
+            await asyncio.sleep(0.1)
+            return before == sent
+
+        await wait_for(backend_blocked, what="the backend to stop sending (its reader paused)")
+        assert sent < pieces * len(piece) // 2
+
+        def taking(data: bytes) -> bool:
+            received.extend(data)
+            return True
+
+        assert await response.pipe(taking) is True
+        assert received == piece * pieces
+        response.release()
+        upstream.close()
+
+
+async def test_a_backend_silent_mid_pipe_times_out_by_the_read_timeout() -> None:
+    async def stall(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n")
+        await writer.drain()
+        await asyncio.sleep(5)
+
+    async with Backend(stall) as backend:
+        upstream = pool(read_timeout_s=0.2)
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        pieces: list[bytes] = []
+        with pytest.raises(ReadTimeout):
+            await response.pipe(lambda piece: pieces.append(piece) is None)
+        assert pieces == [b"abc"]
+        response.close()
+        upstream.close()
+
+
 async def test_a_backend_dying_mid_body_is_a_disconnect() -> None:
     async def die(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         await backend.read_request(reader)

@@ -203,9 +203,8 @@ class _Connection(asyncio.Protocol):
         if sink is not None:
             if sink(body):
                 return
-            # The sink is full: hold the backend back until the pipe's caller has drained it.
+            # The sink is full: what follows is buffered, as for readany, until the next pipe.
             self._sink = None
-            self._pause()
             self._wake()
             return
         self._chunks.append(body)
@@ -264,7 +263,8 @@ class _Connection(asyncio.Protocol):
 
     async def pipe(self, sink: Sink) -> bool:
         """Hand the body to ``sink`` as it arrives, from :meth:`on_body`: True once it ended,
-        False when ``sink`` refused more (the backend is then held back until the next call).
+        False when ``sink`` refused more (what follows is buffered, the backend held back past
+        HIGH_WATER, until the next call).
 
         Each piece goes on in the protocol callback that parsed it, with no task switch per
         piece: relaying a stream token by token is the router's largest per-request cost.
