@@ -118,8 +118,8 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def null_backends(ports: list[int], cpus: str | None) -> list[str]:
-    command = [sys.executable, "-m", "loadtest.null_backend"]
+def null_backends(ports: list[int], cpus: str | None, token_interval_ms: float = 0.0) -> list[str]:
+    command = [sys.executable, "-m", "loadtest.null_backend", "--token-interval-ms", str(token_interval_ms)]
     for port in ports:
         command += ["--port", str(port)]
     return pinned(command, cpus)

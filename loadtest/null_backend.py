@@ -5,7 +5,9 @@ OpenAI API for routers to accept it as a worker:
 
 - ``POST /v1/chat/completions``, ``/v1/completions``, ``/generate``: a small JSON completion,
   or, when the body asks for ``"stream": true``, 50 small SSE chunks and ``data: [DONE]``,
-  each chunk its own socket write (chunked encoding), as an engine emits tokens;
+  each chunk its own socket write (chunked encoding), as an engine emits tokens: back to back,
+  or ``--token-interval-ms`` apart, as an engine's decode steps are (then each chunk reaches a
+  proxy in a read of its own, as in production, rather than several in one);
 - ``GET /health``, ``/health_generate``, ``/v1/models``, ``/(get_)model_info``,
   ``/(get_)server_info``, ``/metrics``: what kvroute and SGLang's router probe.
 
@@ -19,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import socket
 import sys
 
@@ -91,7 +94,8 @@ _BAD = _response(b"400 Bad Request", b'{"error":{"message":"bad request"}}')
 class NullProtocol(asyncio.Protocol):
     """One client connection; requests on it are answered in order."""
 
-    def __init__(self) -> None:
+    def __init__(self, token_interval_s: float = 0.0) -> None:
+        self.token_interval_s = token_interval_s
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
         self.streaming: asyncio.Task | None = None
@@ -153,7 +157,7 @@ class NullProtocol(asyncio.Protocol):
         transport.write(_STREAM_HEAD)
         for _ in range(STREAM_CHUNKS):
             # Yield between chunks: each leaves in its own write, as tokens do from an engine.
-            await asyncio.sleep(0)
+            await asyncio.sleep(self.token_interval_s)
             if transport.is_closing():
                 return
             transport.write(_chunk(_CHUNK))
@@ -162,14 +166,18 @@ class NullProtocol(asyncio.Protocol):
         self._handle_buffered()
 
 
-async def serve(host: str, ports: list[int]) -> list[asyncio.base_events.Server]:
-    """Listen on every port (0: a free one); the servers are returned, already serving."""
+async def serve(
+    host: str, ports: list[int], token_interval_s: float = 0.0
+) -> list[asyncio.base_events.Server]:
+    """Listen on every port (0: a free one); the servers are returned, already serving.
+    ``token_interval_s``: the pause between a stream's chunks."""
     loop = asyncio.get_running_loop()
-    return [await loop.create_server(NullProtocol, host, port, backlog=1024) for port in ports]
+    protocol = functools.partial(NullProtocol, token_interval_s)
+    return [await loop.create_server(protocol, host, port, backlog=1024) for port in ports]
 
 
-async def _main(host: str, ports: list[int]) -> None:
-    servers = await serve(host, ports)
+async def _main(host: str, ports: list[int], token_interval_s: float) -> None:
+    servers = await serve(host, ports, token_interval_s)
     for server in servers:
         print(f"null backend on http://{host}:{server.sockets[0].getsockname()[1]}", flush=True)
     await asyncio.Event().wait()
@@ -181,8 +189,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, action="append", required=True, help="repeat for more backends")
+    parser.add_argument(
+        "--token-interval-ms", type=float, default=0.0, help="between a stream's chunks (0: back to back)"
+    )
     args = parser.parse_args(argv)
-    run_event_loop(_main(args.host, args.port))
+    run_event_loop(_main(args.host, args.port, args.token_interval_ms / 1000))
     return 0
 
 

@@ -336,9 +336,8 @@ def print_profile(contender: str, path: Path, limit: int = 15) -> None:
 async def run(args: argparse.Namespace, workdir: Path) -> list[Measurement]:
     backend_ports = [free_port() for _ in range(args.backends)]
     backend_urls = [f"http://127.0.0.1:{p}" for p in backend_ports]
-    backends = procs.Contender(
-        "null backends", backend_ports[0], procs.null_backends(backend_ports, args.harness_cpu)
-    )
+    command = procs.null_backends(backend_ports, args.harness_cpu, args.token_interval_ms)
+    backends = procs.Contender("null backends", backend_ports[0], command)
     chosen = set(args.only.split(",")) if args.only else None
     contenders = [procs.direct(backend_ports[0]), procs.kvroute(workdir, backend_urls, args.proxy_cpu)]
     if args.baseline:
@@ -464,6 +463,13 @@ def build_parser(prog: str = "python -m loadtest.overhead") -> argparse.Argument
         "--rounds", type=int, default=3, help="rounds over all contenders: latency pooled, saturation best of"
     )
     parser.add_argument("--backends", type=int, default=2, help="null backends behind each proxy")
+    parser.add_argument(
+        "--token-interval-ms",
+        type=float,
+        default=0.0,
+        help="the null backends' pause between a stream's chunks, as an engine's decode step "
+        "(0: back to back, so a proxy often reads several chunks at once)",
+    )
     parser.add_argument("--proxy-cpu", default="1", help="taskset CPU list for the proxy")
     parser.add_argument("--harness-cpu", default="0", help="CPU list for the load generator and backends")
     parser.add_argument(
@@ -502,7 +508,9 @@ def main(argv: list[str] | None = None, prog: str = "python -m loadtest.overhead
         results = run_event_loop(run(args, workdir))
 
     heading = (
-        f"null backends x{args.backends}, {STREAM_CHUNKS}-chunk streams; latency at {args.rate:.0f} req/s "
+        f"null backends x{args.backends}, {STREAM_CHUNKS}-chunk streams"
+        f"{f' ({args.token_interval_ms:g} ms apart)' if args.token_interval_ms else ''}; "
+        f"latency at {args.rate:.0f} req/s "
         f"for {args.seconds:.0f} s; saturation: {args.concurrency} in flight per process, "
         f"proxy on CPU {args.proxy_cpu}"
     )

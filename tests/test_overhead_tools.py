@@ -50,6 +50,19 @@ async def test_null_backend_answers_json_and_fifty_chunk_streams_on_one_connecti
     assert (missing.ok, missing.status) == (False, 404)
 
 
+async def test_a_paced_null_backend_sends_a_streams_chunks_an_interval_apart():
+    (server,) = await serve("127.0.0.1", [0], token_interval_s=0.004)
+    port = server.sockets[0].getsockname()[1]
+    client = Client("127.0.0.1", port)
+    stream = await client.request(chat(port, True))
+    client.close()
+    server.close()
+    await server.wait_closed()
+    assert (stream.ok, stream.events) == (True, STREAM_CHUNKS + 1)
+    # 50 pauses of 4 ms at the least (an event loop's timer may only run late).
+    assert stream.latency - stream.first_byte >= (STREAM_CHUNKS - 1) * 0.004
+
+
 async def test_load_generator_parses_responses_split_anywhere():
     """A server that sends a chunked SSE response and a Content-Length one a few bytes at a time."""
     events = b"data: one\n\ndata: two\n\ndata: [DONE]\n\n"
