@@ -216,6 +216,37 @@ async def test_a_chunked_stream_arrives_chunk_by_chunk_as_it_is_sent(reading: st
         upstream.close()
 
 
+async def test_a_refusal_in_the_read_that_ends_the_body_keeps_the_rest_for_the_next_pipe() -> None:
+    """The last pieces often come in one read with the end: a sink full at the first of them
+    must not end the body without the others (the client would get a stream cut short)."""
+    go = asyncio.Event()
+
+    async def tail(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await backend.read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+        await writer.drain()
+        await go.wait()
+        writer.write(b"5\r\nfirst\r\n6\r\nsecond\r\n0\r\n\r\n")  # one write, one read
+
+    async with Backend(tail) as backend:
+        upstream = pool()
+        response = await upstream.post(backend.url, "/p", [], b"{}")
+        received: list[bytes] = []
+
+        def full(piece: bytes) -> bool:
+            received.append(piece)
+            return False
+
+        piped = asyncio.create_task(response.pipe(full))
+        await asyncio.sleep(0)  # the pipe waits, its sink set, before the backend sends
+        go.set()
+        assert await piped is False
+        assert await response.pipe(lambda piece: received.append(piece) is None) is True
+        assert received == [b"first", b"second"]
+        response.release()
+        upstream.close()
+
+
 @pytest.mark.parametrize("reading", ["readany", "pipe"])
 async def test_a_backend_silent_mid_body_times_out_by_the_read_timeout(reading: str) -> None:
     async def stall(backend: Backend, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:

@@ -327,13 +327,13 @@ class Proxy:
         await response.prepare(request)
         try:
             await relay_body(request, response, upstream, first, tap)
+            await response.write_eof()
         except ConnectionResetError as exc:
             # The client went away; leaving closes the upstream connection (see forward).
             raise ClientGone(response) from exc
         except (UpstreamError, asyncio.TimeoutError) as exc:
             await self._end_with_error(response, failure_kind(exc))
             raise StreamInterrupted(failure_kind(exc), response) from exc
-        await response.write_eof()
         return response
 
     @staticmethod
@@ -360,7 +360,7 @@ async def relay_body(
     """Send ``first`` and the rest of ``upstream``'s body on the prepared ``response`` as it
     arrives. ConnectionResetError: the client went away; UpstreamError or TimeoutError: the
     backend failed. The response is left open (``write_eof`` is the caller's)."""
-    # The first write also sends the head; the rest bypasses aiohttp's writer.
+    # aiohttp has sent the head at prepare; the chunks after the first bypass its writer.
     await response.write(tap.chunk(first) if tap is not None else first)
     client = _ClientSink(request, response, tap)
     while not await upstream.pipe(client):

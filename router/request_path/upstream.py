@@ -280,9 +280,11 @@ class _Connection(asyncio.Protocol):
         try:
             while self._sink is not None and not self.complete:
                 await self._wait_for_data()
+            # Ended with the sink still set: it took every piece. A refusal may come with the
+            # end in the same read, the pieces after it buffered for the next call.
+            return self._sink is not None
         finally:
             self._sink = None
-        return self.complete
 
     def _pause(self) -> None:
         if not self._paused and self.transport is not None:
