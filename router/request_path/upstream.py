@@ -255,9 +255,7 @@ class _Connection(asyncio.Protocol):
             if self.complete:
                 return b""
             await self._wait_for_data()
-        data = self._chunks.popleft() if len(self._chunks) == 1 else b"".join(self._chunks)
-        self._chunks.clear()
-        self._buffered = 0
+        data = self._take_buffered()
         self._resume()
         return data
 
@@ -269,12 +267,8 @@ class _Connection(asyncio.Protocol):
         Each piece goes on in the protocol callback that parsed it, with no task switch per
         piece: relaying a stream token by token is the router's largest per-request cost.
         """
-        if self._chunks:
-            buffered = b"".join(self._chunks)
-            self._chunks.clear()
-            self._buffered = 0
-            if not sink(buffered):
-                return False
+        if self._chunks and not sink(self._take_buffered()):
+            return False
         self._resume()
         self._sink = sink
         try:
@@ -285,6 +279,14 @@ class _Connection(asyncio.Protocol):
             return self._sink is not None
         finally:
             self._sink = None
+
+    def _take_buffered(self) -> bytes:
+        """What the body buffered since the last take, as one piece."""
+        chunks = self._chunks
+        data = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered = 0
+        return data
 
     def _pause(self) -> None:
         if not self._paused and self.transport is not None:
