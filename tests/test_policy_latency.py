@@ -150,7 +150,7 @@ def test_a_cold_copy_of_a_long_prefix_is_warmed_while_the_request_goes_to_a_hold
     assert (spill.backend, spill.reason, spill.warmup) == ("idle", "latency_spill", None)
 
 
-def test_no_warmup_for_a_short_prefix_a_partial_copy_or_a_holder_over_its_share() -> None:
+def test_no_warmup_for_a_short_prefix_a_partial_copy_or_a_holder_busier_than_the_copy() -> None:
     policy = Latency({**PLAIN, "reuse_weight": 3.0, "warmup_max_share": 1.2}, seed=0)
     short, long = tuple(range(200, 210)), tuple(range(300, 320))
     for _ in range(3):  # a 10-block prefix is copied by the request itself
@@ -159,13 +159,18 @@ def test_no_warmup_for_a_short_prefix_a_partial_copy_or_a_holder_over_its_share(
     # The spill target holds part of the prefix already: the request tops it up itself.
     decision = policy.choose(req(chain=long), [bv("holder", matched=20, load=9), bv("half", matched=10)])
     assert (decision.backend, decision.warmup) == ("half", None)
-    # Every recent request went to the holder: it takes no more for a warm-up's sake.
+    # Every recent request went to the holder: over its share, it still takes a request for a
+    # warm-up's sake while it costs less than the copy would at full price (3 x 100 < 1280
+    # tokens: the reuse discount is the copy's worth to later requests, not to this one)...
     busy = Latency({**PLAIN, "reuse_weight": 3.0}, seed=0)
     for _ in range(10):
         busy.choose(req(chain=long), [bv("holder", matched=20), bv("idle", load=9)])
     assert busy.share("holder") > 9 * busy.share("idle")
     decision = busy.choose(req(chain=long), [bv("holder", matched=20, load=3), bv("idle")])
-    assert (decision.backend, decision.warmup) == ("idle", None)
+    assert (decision.backend, decision.warmup) == ("holder", Warmup("idle", 20))
+    # ... and not once its batch costs more than that copy (15 x 100 > 1280): the request makes it.
+    decision = busy.choose(req(chain=long), [bv("holder", matched=20, load=15), bv("idle")])
+    assert (decision.backend, decision.reason, decision.warmup) == ("idle", "latency_spill", None)
 
 
 def test_reuse_decays_with_routed_requests_and_is_bounded() -> None:
