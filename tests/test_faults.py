@@ -12,11 +12,13 @@ from __future__ import annotations
 import asyncio
 import json
 import socket
+from types import SimpleNamespace
 
 import aiohttp
 import pytest
 from aiohttp import web
 
+from router.request_path.proxy import DEFAULT_HIGH_WATER, _ClientSink
 from tests.fault_engine import MODEL, FaultEngine, backends
 from tests.helpers import scrape, total, wait_for, wait_released
 
@@ -182,6 +184,36 @@ async def test_a_stream_is_framed_for_the_clients_http_version(engine, make_rout
         assert b"transfer-encoding" not in head.lower()
         assert body == expected
     await assert_released(http, router.url, engine)
+
+
+class _TransportWithoutLimits(asyncio.WriteTransport):
+    """A transport shaped as asyncio's TLS transport before Python 3.10.3 (bpo-46487): it
+    buffers and writes, but ``get_write_buffer_limits`` is the base class's NotImplementedError."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.buffer = b""
+
+    def is_closing(self) -> bool:
+        return False
+
+    def write(self, data: bytes) -> None:
+        self.buffer += data
+
+    def get_write_buffer_size(self) -> int:
+        return len(self.buffer)
+
+
+def test_a_client_transport_that_does_not_tell_its_limits_is_held_to_asyncios_default() -> None:
+    """The relay to such a client frames and writes as to any other, and refuses more (so the
+    proxy awaits the drain) once 64 KiB are buffered, as asyncio's socket transports do."""
+    transport = _TransportWithoutLimits()
+    request = SimpleNamespace(transport=transport)
+    response = SimpleNamespace(headers={"Transfer-Encoding": "chunked"})
+    sink = _ClientSink(request, response, None)  # type: ignore[arg-type]
+    assert sink(b"data: 1\n\n") is True
+    assert transport.buffer == b"9\r\ndata: 1\n\n\r\n"
+    assert sink(b"x" * DEFAULT_HIGH_WATER) is False
 
 
 async def test_a_slow_client_holds_back_the_engine_instead_of_filling_the_routers_memory(

@@ -101,6 +101,10 @@ def failure_kind(exc: BaseException) -> str:
     return "other"
 
 
+#: The client connection's write high-water mark where its transport does not say: asyncio's
+#: own default for its socket transports (64 KiB).
+DEFAULT_HIGH_WATER = 64 * 1024
+
 #: Statuses that mean "this replica cannot serve now", not "this request is wrong".
 RETRYABLE_STATUSES = frozenset({502, 503, 504})
 
@@ -388,7 +392,10 @@ class _ClientSink:
         self.transport = transport
         # Set by aiohttp when it prepared the response (HTTP/1.1, no Content-Length).
         self.chunked = response.headers.get("Transfer-Encoding") == "chunked"
-        self.high_water = transport.get_write_buffer_limits()[1]
+        try:
+            self.high_water = transport.get_write_buffer_limits()[1]
+        except NotImplementedError:  # asyncio's TLS transport before Python 3.10.3 (bpo-46487)
+            self.high_water = DEFAULT_HIGH_WATER
         self.tap = tap
         self.gone = False
 
