@@ -55,7 +55,7 @@ holder still takes the request if it costs no more than the target with the copy
 price: the reuse discount is what the copy is worth to the requests after this one, not to the
 one that would wait for it. Before, such a request made the copy itself, and on chat at 20x
 those requests were among the slowest 1 % (one waited 179 ms for a prefill of 8.8k tokens its
-holder would have served in 5 ms).
+holder would have served in 5 ms; docs/benchmarks/2026-12-08-warm-up-holders.md).
 
 Ties go to the backend whose cache holds the least (a new prefix
 displaces the least there), then at random. With no reuse in the traffic the estimate is
