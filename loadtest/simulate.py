@@ -718,7 +718,9 @@ class Bounds:
     ttft_floor_p99: float
 
 
-def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
+def _pooled_floors(requests: Sequence[TraceRequest], model: FleetModel) -> tuple[PrefixCache, list[float]]:
+    """One LRU cache as large as the fleet, fed the trace, and each request's TTFT floor: its own
+    prefill of what that cache misses, without any queueing."""
     pooled = PrefixCache(model.engines * model.capacity_tokens // model.block_tokens, model.block_tokens, 1)
     floors = []
     for request in requests:
@@ -726,6 +728,11 @@ def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
         cached = pooled.lookup(chain, request.input_tokens) * model.block_tokens
         pooled.insert(chain)
         floors.append(model.timing.prefill_seconds(request.input_tokens - cached))
+    return pooled, floors
+
+
+def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
+    pooled, floors = _pooled_floors(requests, model)
     return Bounds(
         pooled_lru_hit_ratio=pooled.hits_tokens / pooled.queries_tokens if pooled.queries_tokens else 0.0,
         belady_hit_ratio=belady_hit_ratio(
@@ -738,6 +745,45 @@ def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
         ttft_floor_p50=percentile(floors, 0.5),
         ttft_floor_p99=percentile(floors, 0.99),
     )
+
+
+@dataclass(frozen=True)
+class FloorGap:
+    """How far a run's TTFT is above its requests' floors, per request on average, and why: a
+    policy near its floor has little left to gain from placement, and the parts say where the
+    rest is."""
+
+    #: Waiting for the engine's prefill lane (the requests and warm-ups ahead).
+    queueing_s: float
+    #: Prefill of what the pooled cache held but the chosen engine did not: a spill, a miss.
+    cache_s: float
+    #: The rest: the first decode step, a KV transfer (prefill/decode pairs).
+    other_s: float
+
+    @property
+    def total_s(self) -> float:
+        return self.queueing_s + self.cache_s + self.other_s
+
+
+def floor_gap(requests: Sequence[TraceRequest], model: FleetModel, outcomes: Sequence[Outcome]) -> FloorGap:
+    """``outcomes`` (in request order) against the floors of ``requests`` on ``model``'s fleet;
+    refused requests count for nothing. Requests that got more cached than the pooled cache
+    would have held count less than nothing under ``cache_s``."""
+    _, floors = _pooled_floors(requests, model)
+    queueing = cache = other = 0.0
+    done = 0
+    for outcome, floor in zip(outcomes, floors, strict=True):
+        if outcome.ttft_s is None:
+            continue
+        done += 1
+        queue = outcome.queue_s or 0.0
+        own = model.timing.prefill_seconds(outcome.prompt_tokens - outcome.cached_tokens)
+        queueing += queue
+        cache += own - floor
+        other += outcome.ttft_s - queue - own
+    if not done:
+        return FloorGap(math.nan, math.nan, math.nan)
+    return FloorGap(queueing / done, cache / done, other / done)
 
 
 def belady_hit_ratio(
@@ -838,10 +884,11 @@ def report(
 
     A figure a run has no value for (``cached/predicted`` of a policy that predicts nothing)
     prints as ``-``; the ``run`` column is there only with ``--sweep``, which labels the rows."""
-    rows, summaries, tails = [], [], []
+    rows, summaries, tails, gaps = [], [], [], []
     for policy, label, model, params in runs:
         outcomes, s = simulate(requests, model, policy, params, seed)
         summaries.append(s)
+        gaps.append((f"{policy} {label}".strip(), floor_gap(requests, model, outcomes)))
         if slowest > 0:
             tails.append((f"{policy} {label}".strip(), outcomes))
         ms = [s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.queue_mean, s.e2e_p50]
@@ -876,6 +923,12 @@ def report(
         f"TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
+    out("\nTTFT above the floor, ms per request: queueing + prefix prefilled again + the rest")
+    for name, gap in gaps:
+        parts = (gap.total_s, gap.queueing_s, gap.cache_s, gap.other_s)
+        out(
+            "  {}: {} = {} + {} + {}".format(name, *(_figure(round(x * 1000, 2) + 0.0, ".2f") for x in parts))
+        )
     for name, outcomes in tails:
         out(format_tail(name, outcomes, slowest))
     return summaries

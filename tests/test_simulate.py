@@ -13,7 +13,7 @@ from kvroute.cli import main
 from loadtest import simulate as simulate_module
 from loadtest.sim.protocol import GENERATION_PROMPT, render_chat
 from loadtest.sim.timing import EngineTiming
-from loadtest.simulate import FleetModel, Simulation, bounds, load_source, simulate
+from loadtest.simulate import FleetModel, Simulation, bounds, floor_gap, load_source, simulate
 from loadtest.trace import TraceError, TraceRequest, block_text, prompt_messages, prompt_text, read_trace
 from policies.routing.prefix_aware import PrefixAware
 from policies.types import Outcome
@@ -189,6 +189,24 @@ def test_cache_aware_routing_finds_more_of_the_prompts_cached() -> None:
     assert aware.ttft_mean < blind.ttft_mean
     assert aware.hit_ratio <= limit.pooled_lru_hit_ratio + 0.05
     assert blind.imbalance == pytest.approx(1.0, abs=0.01)
+
+
+def test_the_gap_to_the_floor_is_queueing_and_the_prefix_prefilled_again() -> None:
+    # One lane, two arrivals at once: the second waits the first's prefill; no cache to lose.
+    model = FleetModel(engines=1, capacity_tokens=100_000)
+    requests = [req(0, 2000, 1, (1, 2, 3, 4)), req(0, 2000, 1, (5, 6, 7, 8))]
+    outcomes, summary = simulate(requests, model, "round_robin")
+    gap = floor_gap(requests, model, outcomes)
+    assert gap.queueing_s == pytest.approx(TIMING.prefill_seconds(2000) / 2)
+    assert (gap.cache_s, gap.other_s) == (pytest.approx(0.0), pytest.approx(0.0))
+    # Two engines, a repeat sent to the other one: it prefills again what the pooled cache held.
+    model = FleetModel(engines=2, capacity_tokens=100_000)
+    requests = [req(0, 1024, 2, (1, 2)), req(10, 1024, 2, (1, 2))]
+    outcomes, summary = simulate(requests, model, "round_robin")
+    gap = floor_gap(requests, model, outcomes)
+    again = TIMING.prefill_seconds(1024) - TIMING.prefill_seconds(64)
+    assert (gap.queueing_s, gap.cache_s) == (0.0, pytest.approx(again / 2))
+    assert gap.total_s == pytest.approx(summary.ttft_mean - bounds(requests, model).ttft_floor_mean)
 
 
 def test_the_same_seed_replays_the_same_run() -> None:
@@ -443,6 +461,19 @@ def test_simulate_command_prints_one_row_per_policy_and_sweep_value(trace_file, 
         ("cost", "capacity_tokens=60000"),
     ]
     assert "pooled-LRU hit ratio" in out
+
+
+def test_simulate_command_says_how_far_each_run_is_above_the_floor(trace_file, capsys) -> None:
+    args = ["simulate", "--trace", str(trace_file), "--policy", "round_robin,cost", "--engines", "3"]
+    assert main([*args, "--capacity", "30000"]) == 0
+    _, _, section = capsys.readouterr().out.partition("TTFT above the floor, ms per request")
+    lines = {line.split(":")[0].strip(): line.split(":")[1] for line in section.splitlines()[1:3]}
+    assert set(lines) == {"round_robin", "cost"}
+    for figures in lines.values():
+        total, parts = figures.split("=")
+        assert float(total) == pytest.approx(sum(float(p) for p in parts.split(" + ")), abs=0.02)
+    # Blind to the cache, round robin prefills again what cost finds cached.
+    assert float(lines["round_robin"].split(" + ")[1]) > float(lines["cost"].split(" + ")[1])
 
 
 def test_simulate_command_compares_router_replicas_with_one_router(trace_file, capsys) -> None:
