@@ -750,40 +750,36 @@ def bounds(requests: Sequence[TraceRequest], model: FleetModel) -> Bounds:
 @dataclass(frozen=True)
 class FloorGap:
     """How far a run's TTFT is above its requests' floors, per request on average, and why: a
-    policy near its floor has little left to gain from placement, and the parts say where the
-    rest is."""
+    policy near its floor has little left to gain from placement, and the parts say whether
+    the rest is load or cache. In this model a request's TTFT is its wait for the prefill lane
+    plus its own prefill (the first token is stamped at the prefill's end), so the two parts
+    are the whole gap."""
 
     #: Waiting for the engine's prefill lane (the requests and warm-ups ahead).
     queueing_s: float
     #: Prefill of what the pooled cache held but the chosen engine did not: a spill, a miss.
+    #: Negative where engines held more than one pooled LRU cache would have.
     cache_s: float
-    #: The rest: the first decode step, a KV transfer (prefill/decode pairs).
-    other_s: float
 
     @property
     def total_s(self) -> float:
-        return self.queueing_s + self.cache_s + self.other_s
+        return self.queueing_s + self.cache_s
 
 
 def floor_gap(requests: Sequence[TraceRequest], model: FleetModel, outcomes: Sequence[Outcome]) -> FloorGap:
-    """``outcomes`` (in request order) against the floors of ``requests`` on ``model``'s fleet;
-    refused requests count for nothing. Requests that got more cached than the pooled cache
-    would have held count less than nothing under ``cache_s``."""
-    _, floors = _pooled_floors(requests, model)
-    queueing = cache = other = 0.0
-    done = 0
-    for outcome, floor in zip(outcomes, floors, strict=True):
-        if outcome.ttft_s is None:
-            continue
-        done += 1
-        queue = outcome.queue_s or 0.0
-        own = model.timing.prefill_seconds(outcome.prompt_tokens - outcome.cached_tokens)
-        queueing += queue
-        cache += own - floor
-        other += outcome.ttft_s - queue - own
-    if not done:
-        return FloorGap(math.nan, math.nan, math.nan)
-    return FloorGap(queueing / done, cache / done, other / done)
+    """``outcomes`` (in request order) against the floors of ``requests`` on ``model``'s fleet.
+    Refused requests are left out of both: no engine ever cached their prompts, so the pooled
+    cache behind the floors does not hold them either."""
+    served = [(r, o) for r, o in zip(requests, outcomes, strict=True) if o.ttft_s is not None]
+    if not served:
+        return FloorGap(math.nan, math.nan)
+    _, floors = _pooled_floors([r for r, _ in served], model)
+    queueing = sum(o.queue_s or 0.0 for _, o in served)
+    cache = sum(
+        model.timing.prefill_seconds(o.prompt_tokens - o.cached_tokens) - floor
+        for (_, o), floor in zip(served, floors, strict=True)
+    )
+    return FloorGap(queueing / len(served), cache / len(served))
 
 
 def belady_hit_ratio(
@@ -923,12 +919,10 @@ def report(
         f"TTFT floor mean {b.ttft_floor_mean * 1000:.0f} ms, "
         f"p50 {b.ttft_floor_p50 * 1000:.0f} ms, p99 {b.ttft_floor_p99 * 1000:.0f} ms"
     )
-    out("\nTTFT above the floor, ms per request: queueing + prefix prefilled again + the rest")
+    out("\nTTFT above the floor (each run's own fleet's), ms per request: queueing + prefix prefilled again")
     for name, gap in gaps:
-        parts = (gap.total_s, gap.queueing_s, gap.cache_s, gap.other_s)
-        out(
-            "  {}: {} = {} + {} + {}".format(name, *(_figure(round(x * 1000, 2) + 0.0, ".2f") for x in parts))
-        )
+        parts = (gap.total_s, gap.queueing_s, gap.cache_s)
+        out("  {}: {} = {} + {}".format(name, *(_figure(round(x * 1000, 2) + 0.0, ".2f") for x in parts)))
     for name, outcomes in tails:
         out(format_tail(name, outcomes, slowest))
     return summaries

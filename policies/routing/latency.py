@@ -182,7 +182,7 @@ class Latency(RoutingPolicy):
         copy_at_full_price: float,
     ) -> tuple[BackendView, Warmup | None]:
         """Where a request goes when the cheapest backend, ``chosen``, holds none of the
-        ``deepest`` blocks another holds: to the cheapest holder whose recent share is not
+        deepest match another holds: to the cheapest holder whose recent share is not
         above ``warmup_max_share`` of the mean, else to the cheapest holder costing no more than
         ``chosen`` with the copy at its full price (``copy_at_full_price``), with a warm-up
         copying the prefix to ``chosen``; else to ``chosen`` itself, the request making the copy."""
