@@ -884,9 +884,10 @@ def report(
     for policy, label, model, params in runs:
         outcomes, s = simulate(requests, model, policy, params, seed)
         summaries.append(s)
-        gaps.append((f"{policy} {label}".strip(), floor_gap(requests, model, outcomes)))
+        name = f"{policy} {label}".strip()
+        gaps.append((name, floor_gap(requests, model, outcomes)))
         if slowest > 0:
-            tails.append((f"{policy} {label}".strip(), outcomes))
+            tails.append((name, outcomes))
         ms = [s.ttft_mean, s.ttft_p50, s.ttft_p90, s.ttft_p99, s.queue_mean, s.e2e_p50]
         rows.append(
             [

@@ -179,14 +179,14 @@ class Latency(RoutingPolicy):
         chosen: BackendView,
         backends: Sequence[BackendView],
         costs: dict[str, float],
+        deepest: int,
         copy_at_full_price: float,
     ) -> tuple[BackendView, Warmup | None]:
         """Where a request goes when the cheapest backend, ``chosen``, holds none of the
-        deepest match another holds: to the cheapest holder whose recent share is not
+        ``deepest`` blocks another holds: to the cheapest holder whose recent share is not
         above ``warmup_max_share`` of the mean, else to the cheapest holder costing no more than
         ``chosen`` with the copy at its full price (``copy_at_full_price``), with a warm-up
         copying the prefix to ``chosen``; else to ``chosen`` itself, the request making the copy."""
-        deepest = max(b.matched_blocks for b in backends)
         holders = [b for b in backends if b.matched_blocks == deepest]
         limit = self.params.warmup_max_share * sum(self.share(b.name) for b in backends) / len(backends)
         candidates = [b for b in holders if self.share(b.name) <= limit] or [
@@ -211,7 +211,9 @@ class Latency(RoutingPolicy):
         warmup = None
         if chosen.matched_blocks == 0 and 0 < self.params.warmup_blocks <= deepest:
             undiscounted = deepest * request.block_tokens * (1.0 - discount)
-            chosen, warmup = self._warm_instead(chosen, backends, costs, costs[chosen.name] + undiscounted)
+            chosen, warmup = self._warm_instead(
+                chosen, backends, costs, deepest, costs[chosen.name] + undiscounted
+            )
         self._shares[chosen.name] = (self.share(chosen.name) + 1.0, self._routed)
         reason = match_reason("latency", chosen, backends)
         return Decision(chosen.name, reason, chosen.matched_blocks, warmup)
